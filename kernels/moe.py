@@ -1,4 +1,4 @@
-"""Mixture-of-experts: routing and the expert SwiGLU layer.
+"""Mixture-of-experts: routing and the expert SwiGLU layer as a Pallas (Triton) grouped GEMM.
 
 Routing (float32, on device):
   route_grouped_sigmoid  LLaDA2 / DeepSeek-V3 style: s = sigmoid(logits); selection scores s + bias;
@@ -7,19 +7,40 @@ Routing (float32, on device):
                          chosen experts, optionally normalised, times `routed_scaling_factor`.
   route_softmax_topk     softmax over experts, top-k, optionally renormalised.
 
-Experts (axis letters: T tokens, C chosen experts per token, E experts, H hidden, I expert width):
+Experts (axis letters: T tokens, C chosen experts per token, A = T*C assignments, E experts, H hidden,
+I expert width, R row tiles, bm rows per tile):
   x               [T, H]
-  expert_ids      i32[T, C]
+  expert_ids      i32[T, C]    in [0, E)
   expert_weights  f32[T, C]
   w_gate_up       [E, H, 2I]   gate in [..., :I], up in [..., I:]
   w_down          [E, I, H]
   out[t] = sum_c w[t,c] * (silu(x[t] @ Wg[e]) * (x[t] @ Wu[e])) @ Wd[e],  e = expert_ids[t, c]
+Either weight may be a `jaxllm.quantization.QuantizedWeight` (int8 or e4m3 values [E, K, N], f32 scales [E, N]);
+the scale is applied after the K reduction. With `fp8_activations` (fp8 weights only) x and the SwiGLU output
+are quantized per row to e4m3 too and the GEMMs run fp8 x fp8 on the tensor cores.
+
+Pallas path, all on device with static shapes:
+  1. sort the A assignments by expert and give expert e the padded rows [start_e, start_e + ceil(n_e/bm)*bm);
+     the padded total is at most R*bm rows (`_num_row_tiles`), so every array has a static shape;
+  2. gate_up kernel, grid (R, I/bn): row tile r gathers its tokens' rows of x and multiplies them by expert
+     tile_expert[r]'s gate and up columns -> act[R*bm, I] = silu(gate) * up;
+  3. down kernel, grid (R, H/bn): act rows @ that expert's w_down -> out_rows[R*bm, H];
+  4. out[t] = sum_c w[t,c] * out_rows[row of (t, c)] (a gather and a sum over C).
+Row tiles past the last group have tile_expert = -1 and return at once, so empty experts and unused padding cost
+no weight reads: a batch touches only its experts' weights, once per row tile.
 """
 
+import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from jaxllm.quantization import QuantizedWeight, dequantize, quantize_rows
 
 
 def route_grouped_sigmoid(router_logits, expert_bias, *, top_k, n_group, topk_group, routed_scaling_factor,
@@ -49,20 +70,268 @@ def route_softmax_topk(router_logits, *, top_k, norm_topk_prob):
     return weights, expert_ids.astype(jnp.int32)
 
 
-def moe_experts_reference(x, expert_ids, expert_weights, w_gate_up, w_down):
-    """Every expert on every token, combined with a dense [T, E] weight matrix (float32 math)."""
+def _check_inputs(x, expert_ids, expert_weights, w_gate_up, w_down, fp8_activations):
+    if x.ndim != 2:
+        raise ValueError(f"x must be [T, H], got shape {x.shape}")
+    num_tokens, hidden = x.shape
+    if expert_ids.ndim != 2 or expert_ids.shape[0] != num_tokens or expert_weights.shape != expert_ids.shape:
+        raise ValueError(f"expert_ids and expert_weights must both be [T={num_tokens}, C], got "
+                         f"{expert_ids.shape} and {expert_weights.shape}")
+    if not jnp.issubdtype(expert_ids.dtype, jnp.integer):
+        raise ValueError(f"expert_ids must be integers, got {expert_ids.dtype}")
+    if w_gate_up.ndim != 3 or w_gate_up.shape[1] != hidden or w_gate_up.shape[2] % 2:
+        raise ValueError(f"w_gate_up must be [E, H={hidden}, 2I], got {w_gate_up.shape}")
+    num_experts, _, two_inter = w_gate_up.shape
+    if w_down.shape != (num_experts, two_inter // 2, hidden):
+        raise ValueError(f"w_down must be [E, I, H] = {(num_experts, two_inter // 2, hidden)}, got {w_down.shape}")
+    for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+        if isinstance(w, QuantizedWeight) and w.scales.shape != (w.shape[0], w.shape[2]):
+            raise ValueError(f"{name} scales must be [E, N] = {(w.shape[0], w.shape[2])}, got {w.scales.shape}")
+    is_fp8 = [isinstance(w, QuantizedWeight) and w.values.dtype == jnp.float8_e4m3fn for w in (w_gate_up, w_down)]
+    if fp8_activations and not all(is_fp8):
+        raise ValueError("fp8_activations needs both expert weights quantized to fp8 (quantize(w, 'fp8'))")
+
+
+def _fp8_round_trip(a):
+    """[R, D] -> the f32 values that per-row e4m3 quantization represents."""
+    values, scales = quantize_rows(a)
+    return values.astype(jnp.float32) * scales[:, None]
+
+
+def moe_experts_reference(x, expert_ids, expert_weights, w_gate_up, w_down, *, fp8_activations=False):
+    """Every expert on every token, combined with a dense [T, E] weight matrix (float32 math).
+
+    Quantized weights are dequantized exactly. With fp8_activations, x and every (token, expert) row of the
+    SwiGLU output, first rounded to x's dtype as the kernel stores it, go through per-row e4m3 quantization.
+    """
     num_tokens = x.shape[0]
-    num_experts, _, two_i = w_gate_up.shape
+    num_experts, _, two_inter = w_gate_up.shape
+    inter = two_inter // 2
     combine = jnp.zeros((num_tokens, num_experts), jnp.float32)
     combine = combine.at[jnp.arange(num_tokens)[:, None], expert_ids].add(expert_weights.astype(jnp.float32))
-    gate_up = jnp.einsum("th,ehn->ten", x.astype(jnp.float32), w_gate_up.astype(jnp.float32))
-    act = jax.nn.silu(gate_up[..., : two_i // 2]) * gate_up[..., two_i // 2:]
-    out = jnp.einsum("tei,eih,te->th", act, w_down.astype(jnp.float32), combine)
+    x32 = _fp8_round_trip(x) if fp8_activations else x.astype(jnp.float32)
+    highest = lax.Precision.HIGHEST  # the oracle stays float32 on GPUs too (no TF32)
+    gate_up = jnp.einsum("th,ehn->ten", x32, dequantize(w_gate_up), precision=highest)
+    act = jax.nn.silu(gate_up[..., :inter]) * gate_up[..., inter:]  # [T, E, I]
+    if fp8_activations:
+        act = _fp8_round_trip(act.astype(x.dtype).reshape(-1, inter)).reshape(act.shape)
+    out = jnp.einsum("tei,eih,te->th", act, dequantize(w_down), combine, precision=highest)
     return out.astype(x.dtype)
 
 
-def _moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, *, interpret):
-    raise NotImplementedError("the Pallas grouped GEMM lands with the MoE kernel issue")
+@dataclasses.dataclass(frozen=True)
+class GemmTiles:
+    """Static tiling of one grouped GEMM: Triton block sizes and launch parameters."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeTiles:
+    """Rows per tile of the expert-sorted assignments, and the tiling of the two GEMMs."""
+
+    block_m: int
+    gate_up: GemmTiles
+    down: GemmTiles
+
+
+def _fit_block(dim, preferred):
+    """The largest power of two <= preferred that divides dim (Triton tiles are powers of two, >= 16)."""
+    block = preferred
+    while dim % block:
+        block //= 2
+    if block < 16:
+        raise ValueError(f"dimension {dim} has no power-of-two tile >= 16 <= {preferred}; pad it to a multiple of 16")
+    return block
+
+
+def default_tiles(num_assignments, num_experts, hidden, inter):
+    """Tiles by the mean rows per expert: small tiles stream weights at decode sizes, large ones feed tensor cores."""
+    rows_per_expert = num_assignments / num_experts
+    if rows_per_expert <= 16:  # memory-bound: one 16-row tile per touched expert
+        block_m, gate_up, down = 16, GemmTiles(64, 128, 4, 4), GemmTiles(128, 64, 4, 4)
+    elif rows_per_expert <= 96:
+        block_m, gate_up, down = 64, GemmTiles(64, 64, 4, 4), GemmTiles(128, 64, 4, 4)
+    else:  # compute-bound
+        block_m, gate_up, down = 128, GemmTiles(64, 64, 8, 3), GemmTiles(128, 64, 8, 3)
+    return MoeTiles(
+        block_m,
+        dataclasses.replace(gate_up, block_n=_fit_block(inter, gate_up.block_n),
+                            block_k=_fit_block(hidden, gate_up.block_k)),
+        dataclasses.replace(down, block_n=_fit_block(hidden, down.block_n), block_k=_fit_block(inter, down.block_k)),
+    )
+
+
+def _check_tiles(tiles, hidden, inter):
+    for name, gemm, n, k in (("gate_up", tiles.gate_up, inter, hidden), ("down", tiles.down, hidden, inter)):
+        if n % gemm.block_n or k % gemm.block_k:
+            raise ValueError(f"{name} tiles {gemm} must divide N={n} and K={k}")
+    if tiles.block_m < 16 or tiles.block_m & (tiles.block_m - 1):
+        raise ValueError(f"block_m must be a power of two >= 16, got {tiles.block_m}")
+
+
+def _num_row_tiles(num_assignments, num_experts, block_m):
+    """Static bound on the row tiles the expert groups fill.
+
+    Expert e's n_e rows fill ceil(n_e / bm) <= (n_e + bm - 1) / bm tiles. Summed over the at most min(E, A)
+    non-empty experts that is at most (A + min(E, A) * (bm - 1)) / bm; and no tile is empty, so also at most A.
+    """
+    busy_experts = min(num_experts, num_assignments)
+    return min(num_assignments, (num_assignments + busy_experts * (block_m - 1)) // block_m)
+
+
+class ExpertGroups(NamedTuple):
+    row_token: jax.Array  # i32[R * bm]  token of each padded row; padding rows read token 0, and nobody reads them
+    tile_expert: jax.Array  # i32[R]  expert of each row tile; -1 past the last group
+    assignment_row: jax.Array  # i32[T, C]  padded row that holds assignment (t, c)
+
+
+def _group_by_expert(expert_ids, num_experts, block_m):
+    """Sort the assignments by expert into per-expert groups padded to whole row tiles."""
+    num_tokens, top_k = expert_ids.shape
+    num_assignments = num_tokens * top_k
+    num_row_tiles = _num_row_tiles(num_assignments, num_experts, block_m)
+    flat_expert = expert_ids.reshape(-1).astype(jnp.int32)  # [A]
+    order = jnp.argsort(flat_expert, stable=True)  # [A] assignment ids, grouped by expert
+    sorted_expert = flat_expert[order]
+    group_sizes = jnp.zeros(num_experts, jnp.int32).at[flat_expert].add(1)  # [E]
+    padded_sizes = (group_sizes + block_m - 1) // block_m * block_m
+    padded_ends = jnp.cumsum(padded_sizes)  # [E]
+    rank_in_group = jnp.arange(num_assignments) - (jnp.cumsum(group_sizes) - group_sizes)[sorted_expert]
+    sorted_row = (padded_ends - padded_sizes)[sorted_expert] + rank_in_group  # [A]
+    row_token = jnp.zeros(num_row_tiles * block_m, jnp.int32).at[sorted_row].set(order // top_k)
+    assignment_row = jnp.zeros(num_assignments, jnp.int32).at[order].set(sorted_row)
+    tile_start = jnp.arange(num_row_tiles) * block_m  # [R]
+    # the expert owning a tile is the number of groups (empty ones included) that end at or before its first row
+    tile_expert = jnp.sum(padded_ends[None, :] <= tile_start[:, None], axis=1, dtype=jnp.int32)
+    tile_expert = jnp.where(tile_start < padded_ends[-1], tile_expert, -1)
+    return ExpertGroups(row_token, tile_expert, assignment_row.reshape(num_tokens, top_k))
+
+
+def _dot(lhs, rhs):
+    """f32-accumulated tile product; a weight tile of another dtype (int8, e4m3) is up-cast to the lhs dtype."""
+    if rhs.dtype != lhs.dtype:
+        rhs = rhs.astype(lhs.dtype)
+    return jnp.dot(lhs, rhs, preferred_element_type=jnp.float32)
+
+
+def _gate_up_kernel(tile_expert_ref, row_token_ref, x_ref, x_scale_ref, w_ref, w_scale_ref, act_ref, *,
+                    block_m, tiles, inter):
+    # tile_expert i32[R], row_token i32[R*bm], x [T, H], x_scale f32[T], w [E, H, 2I], w_scale f32[E, 2I]
+    # -> act [R*bm, I]; this program: rows [r*bm, (r+1)*bm) x act columns [j*bn, (j+1)*bn)
+    row_tile, col_tile = pl.program_id(0), pl.program_id(1)
+    expert = tile_expert_ref[row_tile]
+
+    @pl.when(expert >= 0)  # tiles past the last group hold no rows
+    def _():
+        rows = pl.ds(row_tile * block_m, block_m)
+        tokens = row_token_ref[rows]  # i32[bm]
+        gate_cols = pl.ds(col_tile * tiles.block_n, tiles.block_n)
+        up_cols = pl.ds(inter + col_tile * tiles.block_n, tiles.block_n)
+
+        def accumulate(k, carry):
+            gate, up = carry
+            ks = pl.ds(k * tiles.block_k, tiles.block_k)
+            x_tile = x_ref[tokens, ks]  # [bm, bk], gathered token rows
+            gate += _dot(x_tile, w_ref[expert, ks, gate_cols])
+            up += _dot(x_tile, w_ref[expert, ks, up_cols])
+            return gate, up
+
+        zeros = jnp.zeros((block_m, tiles.block_n), jnp.float32)
+        gate, up = lax.fori_loop(0, x_ref.shape[1] // tiles.block_k, accumulate, (zeros, zeros))
+        x_scale = x_scale_ref[tokens][:, None]
+        gate = gate * x_scale * w_scale_ref[expert, gate_cols][None, :]
+        up = up * x_scale * w_scale_ref[expert, up_cols][None, :]
+        act_ref[rows, gate_cols] = (gate / (1.0 + jnp.exp(-gate)) * up).astype(act_ref.dtype)
+
+
+def _down_kernel(tile_expert_ref, act_ref, act_scale_ref, w_ref, w_scale_ref, out_ref, *, block_m, tiles):
+    # tile_expert i32[R], act [R*bm, I], act_scale f32[R*bm], w [E, I, H], w_scale f32[E, H] -> out [R*bm, H]
+    row_tile, col_tile = pl.program_id(0), pl.program_id(1)
+    expert = tile_expert_ref[row_tile]
+
+    @pl.when(expert >= 0)
+    def _():
+        rows = pl.ds(row_tile * block_m, block_m)
+        cols = pl.ds(col_tile * tiles.block_n, tiles.block_n)
+
+        def accumulate(k, acc):
+            ks = pl.ds(k * tiles.block_k, tiles.block_k)
+            return acc + _dot(act_ref[rows, ks], w_ref[expert, ks, cols])
+
+        acc = lax.fori_loop(0, act_ref.shape[1] // tiles.block_k, accumulate,
+                            jnp.zeros((block_m, tiles.block_n), jnp.float32))
+        acc = acc * act_scale_ref[rows][:, None] * w_scale_ref[expert, cols][None, :]
+        out_ref[rows, cols] = acc.astype(out_ref.dtype)
+
+
+def _compiler_params(gemm):
+    return pltriton.CompilerParams(num_warps=gemm.num_warps, num_stages=gemm.num_stages)
+
+
+def _gate_up(groups, x, x_scale, w_values, w_scales, *, act_dtype, tiles, interpret):
+    """[R*bm, I] = silu(x[rows] @ Wg[e]) * (x[rows] @ Wu[e]) per row tile."""
+    num_rows = groups.row_token.shape[0]
+    inter = w_values.shape[2] // 2
+    kernel = functools.partial(_gate_up_kernel, block_m=tiles.block_m, tiles=tiles.gate_up, inter=inter)
+    return pl.pallas_call(
+        kernel,
+        grid=(groups.tile_expert.shape[0], inter // tiles.gate_up.block_n),
+        out_shape=jax.ShapeDtypeStruct((num_rows, inter), act_dtype),
+        compiler_params=_compiler_params(tiles.gate_up),
+        interpret=interpret,
+        name="moe_gate_up",
+    )(groups.tile_expert, groups.row_token, x, x_scale, w_values, w_scales)
+
+
+def _down(groups, act, act_scale, w_values, w_scales, *, out_dtype, tiles, interpret):
+    """[R*bm, H] = act[rows] @ Wd[e] per row tile."""
+    num_rows, hidden = act.shape[0], w_values.shape[2]
+    kernel = functools.partial(_down_kernel, block_m=tiles.block_m, tiles=tiles.down)
+    return pl.pallas_call(
+        kernel,
+        grid=(groups.tile_expert.shape[0], hidden // tiles.down.block_n),
+        out_shape=jax.ShapeDtypeStruct((num_rows, hidden), out_dtype),
+        compiler_params=_compiler_params(tiles.down),
+        interpret=interpret,
+        name="moe_down",
+    )(groups.tile_expert, act, act_scale, w_values, w_scales)
+
+
+def _values_and_scales(w):
+    """Kernel operands of a weight: (values [E, K, N], f32 scales [E, N]); a plain weight gets unit scales."""
+    if isinstance(w, QuantizedWeight):
+        return w.values, w.scales
+    return w, jnp.ones((w.shape[0], w.shape[2]), jnp.float32)
+
+
+def _moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, *, fp8_activations, tiles, interpret):
+    num_tokens, hidden = x.shape
+    num_experts, _, two_inter = w_gate_up.shape
+    if tiles is None:
+        tiles = default_tiles(expert_ids.size, num_experts, hidden, two_inter // 2)
+    _check_tiles(tiles, hidden, two_inter // 2)
+    groups = _group_by_expert(expert_ids, num_experts, tiles.block_m)
+
+    if fp8_activations:
+        x_in, x_scale = quantize_rows(x)
+    else:
+        x_in, x_scale = x, jnp.ones((num_tokens,), jnp.float32)
+    act = _gate_up(groups, x_in, x_scale, *_values_and_scales(w_gate_up), act_dtype=x.dtype, tiles=tiles,
+                   interpret=interpret)  # [R*bm, I]
+    if fp8_activations:
+        act, act_scale = quantize_rows(act)
+    else:
+        act_scale = jnp.ones((act.shape[0],), jnp.float32)
+    out_rows = _down(groups, act, act_scale, *_values_and_scales(w_down), out_dtype=x.dtype, tiles=tiles,
+                     interpret=interpret)  # [R*bm, H]
+
+    routed = out_rows[groups.assignment_row].astype(jnp.float32)  # [T, C, H]
+    out = jnp.sum(routed * expert_weights.astype(jnp.float32)[..., None], axis=1)
+    return out.astype(x.dtype)
 
 
 def _default_impl():
@@ -70,11 +339,22 @@ def _default_impl():
 
 
 @functools.partial(jax.named_call, name="moe_experts")
-def moe_experts(x, expert_ids, expert_weights, w_gate_up, w_down, *, impl="auto", interpret=False):
-    """Routed SwiGLU experts. Shapes in the module docstring; returns [T, H] in x's dtype."""
+def moe_experts(x, expert_ids, expert_weights, w_gate_up, w_down, *, impl="auto", interpret=False,
+                fp8_activations=False, tiles=None):
+    """Routed SwiGLU experts. Shapes in the module docstring; returns [T, H] in x's dtype.
+
+    Args:
+      impl: "pallas", "reference", or "auto" (Pallas on GPU, the reference elsewhere).
+      interpret: run the Pallas kernels in interpret mode (CPU tests).
+      fp8_activations: with fp8 weights, quantize activations per row to e4m3 and run fp8 x fp8 GEMMs;
+        otherwise quantized weights are up-cast in-kernel to x's dtype.
+      tiles: a MoeTiles for the Pallas kernels; None picks `default_tiles` by shape.
+    """
+    _check_inputs(x, expert_ids, expert_weights, w_gate_up, w_down, fp8_activations)
     impl = _default_impl() if impl == "auto" else impl
     if impl == "reference":
-        return moe_experts_reference(x, expert_ids, expert_weights, w_gate_up, w_down)
+        return moe_experts_reference(x, expert_ids, expert_weights, w_gate_up, w_down, fp8_activations=fp8_activations)
     if impl == "pallas":
-        return _moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, interpret=interpret)
+        return _moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, fp8_activations=fp8_activations,
+                                   tiles=tiles, interpret=interpret)
     raise ValueError(f"unknown moe impl {impl!r}; use 'auto', 'pallas' or 'reference'")

@@ -26,12 +26,22 @@ L layers, P pages, S page size, W page-table width):
 scatter updates the pool in place.
 """
 
+import dataclasses
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+# JAX 0.11 warns at every Pallas-Triton lowering; this kernel is Triton by design (see jax-gpu.md), so silence
+# exactly that warning.
+warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated", category=DeprecationWarning)
 
 MASK_VALUE = -1e30
+_TARGET_PROGRAMS = 256  # about two programs per H200 SM (132)
+_MIN_SPLIT_KEYS = 512  # shorter splits cost more in partial-output traffic than they win in parallelism
 
 
 def _check_shapes(q, k, v, k_pages, v_pages, page_table, context_lens, window_lens):
@@ -116,9 +126,197 @@ def write_kv_pages(k_pages, v_pages, layer, k, v, page_table, context_lens, wind
     return k_pages, v_pages
 
 
+@dataclasses.dataclass(frozen=True)
+class _Tiling:
+    """Static tile sizes of one kernel instance; every tensor the kernel touches is a power of 2."""
+    q_tile: int          # window queries per program (TQ)
+    group: int           # query heads per kv head, padded to a power of 2 (Gp)
+    key_tile: int        # committed keys per loop step (TK)
+    window_key_tile: int  # window keys per loop step
+    num_splits: int      # programs sharing one (request, kv head, query tile), each on a slice of the keys
+    num_warps: int
+    num_stages: int
+
+
+def _next_pow2(n):
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def _choose_tiling(q, page_size, page_table_width, num_kv_heads, overrides):
+    batch, window, num_heads, head_dim = q.shape
+    group = _next_pow2(num_heads // num_kv_heads)
+    row_bytes = head_dim * q.dtype.itemsize
+    # 128 query rows x 64 keys keeps a [M, D] f32 accumulator plus [M, TK] scores in registers at D*bytes <= 256
+    rows = 128 if row_bytes <= 256 else 64
+    key_tile = 64 if row_bytes <= 256 else (32 if row_bytes <= 512 else 16)
+    q_tile = max(min(rows // group, _next_pow2(window)), -(-16 // group))  # dots need M >= 16
+    # enough programs to cover the SMs twice, but no split shorter than _MIN_SPLIT_KEYS of the static key range
+    programs = batch * num_kv_heads * -(-window // q_tile)
+    max_keys = page_table_width * page_size + window
+    num_splits = max(1, min(-(-_TARGET_PROGRAMS // programs), max_keys // _MIN_SPLIT_KEYS))
+    tiling = _Tiling(q_tile=q_tile, group=group, key_tile=key_tile,
+                     window_key_tile=min(key_tile, max(16, _next_pow2(window))), num_splits=num_splits,
+                     num_warps=8 if q_tile * group >= 128 else 4, num_stages=2)
+    return dataclasses.replace(tiling, **(overrides or {}))
+
+
+def _key_ranges(context_len, window_len, first_query, *, tiling, block_size, sliding_window):
+    """Committed [c_lo, c_hi) and window [w_lo, w_hi) key ranges that some query of this tile can see."""
+    last_query = first_query + tiling.q_tile - 1
+    c_lo, c_hi = jnp.int32(0), context_len
+    w_lo = jnp.int32(0)
+    w_hi = jnp.minimum(window_len, (last_query // block_size + 1) * block_size)  # block-causal bound
+    if sliding_window is not None:
+        c_lo = jnp.maximum(context_len + first_query - sliding_window + 1, 0)
+        w_lo = jnp.maximum(first_query - sliding_window + 1, 0)
+    return c_lo, jnp.maximum(c_hi - c_lo, 0), w_lo, jnp.maximum(w_hi - w_lo, 0)
+
+
+def _split_range(num_committed, num_window, split, *, tiling):
+    """This split's share of the concatenated [committed ++ window] keys: (committed offset, count, window ...)."""
+    total = num_committed + num_window
+    chunk = pl.cdiv(pl.cdiv(total, tiling.num_splits), tiling.key_tile) * tiling.key_tile
+    begin = split * chunk
+    end = jnp.minimum(begin + chunk, total)
+    committed_count = jnp.maximum(jnp.minimum(end, num_committed) - begin, 0)
+    window_begin = jnp.maximum(begin, num_committed)
+    return begin, committed_count, window_begin - num_committed, jnp.maximum(end - window_begin, 0)
+
+
+def _online_softmax_step(carry, q, k, v, visible, *, sm_scale, logit_soft_cap):
+    """Fold one key tile into the running (acc [M, D], row max [M], row sum [M]), all float32."""
+    acc, row_max, row_sum = carry
+    scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * sm_scale
+    if logit_soft_cap is not None:
+        scores = logit_soft_cap * jnp.tanh(scores / logit_soft_cap)
+    # -inf on hidden keys with a finite running max: hidden keys add exp(-inf) = 0 and never a NaN
+    scores = jnp.where(visible, scores, -jnp.inf)
+    new_max = jnp.maximum(row_max, scores.max(axis=1))
+    rescale = jnp.exp(row_max - new_max)
+    probs = jnp.exp(scores - new_max[:, None])
+    row_sum = row_sum * rescale + probs.sum(axis=1)
+    pv = jax.lax.dot_general(probs.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return acc * rescale[:, None] + pv, new_max, row_sum
+
+
+def _paged_attention_kernel(layer_ref, page_table_ref, context_lens_ref, window_lens_ref, q_ref, k_ref, v_ref,
+                            k_pages_ref, v_pages_ref, out_ref, *lse_ref, tiling, block_size, page_size, sm_scale,
+                            sliding_window, logit_soft_cap):
+    """One program: query tile `q_tile` of request `b`, kv head `kv_head`, key slice `split`.
+
+    Refs: q_ref [TQ, Gp, D] block; k_ref, v_ref the whole [B, Q, K, D] window K/V; k_pages_ref, v_pages_ref the
+    whole pool viewed as [L, K, P*S, D]; out_ref [TQ, Gp, D] (final output, or this split's normalised partial),
+    lse_ref [TQ, Gp] (only with splits: log-sum-exp of this split's scores).
+    """
+    q_tile, split, kv_head, b = (pl.program_id(axis) for axis in range(4))
+    window, head_dim = k_ref.shape[1], k_ref.shape[3]
+    num_rows = tiling.q_tile * tiling.group
+    layer, context_len, window_len = layer_ref[0], context_lens_ref[b], window_lens_ref[b]
+    page_table_width, num_pool_rows = page_table_ref.shape[1], k_pages_ref.shape[2]
+    dtype = q_ref.dtype
+
+    q = q_ref[...].reshape(num_rows, head_dim)  # [M, D]
+    first_query = q_tile * tiling.q_tile
+    query_idx = first_query + jax.lax.broadcasted_iota(jnp.int32, (num_rows, 1), 0) // tiling.group  # [M, 1]
+    cols = jax.lax.broadcasted_iota(jnp.int32, (1, head_dim), 1)  # [1, D]
+    c_lo, num_committed, w_lo, num_window = _key_ranges(context_len, window_len, first_query, tiling=tiling,
+                                                         block_size=block_size, sliding_window=sliding_window)
+    begin, committed_count, window_offset, window_count = _split_range(num_committed, num_window, split,
+                                                                       tiling=tiling)
+    step = functools.partial(_online_softmax_step, sm_scale=sm_scale, logit_soft_cap=logit_soft_cap)
+
+    def committed_tile(t, carry):
+        offset = t * tiling.key_tile + jax.lax.iota(jnp.int32, tiling.key_tile)  # [TK]
+        pos = c_lo + begin + offset
+        valid = offset < committed_count
+        page = page_table_ref[b, jnp.minimum(pos // page_size, page_table_width - 1)]
+        row = jnp.minimum(jnp.maximum(page, 0) * page_size + pos % page_size, num_pool_rows - 1)
+        k = pltriton.load(k_pages_ref.at[layer, kv_head, row[:, None], cols], mask=valid[:, None], other=0.0)
+        v = pltriton.load(v_pages_ref.at[layer, kv_head, row[:, None], cols], mask=valid[:, None], other=0.0)
+        visible = valid[None, :]
+        if sliding_window is not None:
+            visible = visible & (context_len + query_idx - pos[None, :] < sliding_window)
+        return step(carry, q, k.astype(dtype), v.astype(dtype), visible)
+
+    def window_tile(t, carry):
+        offset = t * tiling.window_key_tile + jax.lax.iota(jnp.int32, tiling.window_key_tile)  # [TKW]
+        key_idx = w_lo + window_offset + offset
+        valid = offset < window_count
+        row = jnp.minimum(key_idx, window - 1)
+        k = pltriton.load(k_ref.at[b, row[:, None], kv_head, cols], mask=valid[:, None], other=0.0)
+        v = pltriton.load(v_ref.at[b, row[:, None], kv_head, cols], mask=valid[:, None], other=0.0)
+        visible = valid[None, :] & (key_idx[None, :] // block_size <= query_idx // block_size)
+        if sliding_window is not None:
+            visible = visible & (query_idx - key_idx[None, :] < sliding_window)
+        return step(carry, q, k.astype(dtype), v.astype(dtype), visible)
+
+    carry = (jnp.zeros((num_rows, head_dim), jnp.float32), jnp.full((num_rows,), MASK_VALUE, jnp.float32),
+             jnp.zeros((num_rows,), jnp.float32))
+    carry = jax.lax.fori_loop(0, pl.cdiv(committed_count, tiling.key_tile), committed_tile, carry)
+    carry = jax.lax.fori_loop(0, pl.cdiv(window_count, tiling.window_key_tile), window_tile, carry)
+    acc, row_max, row_sum = carry
+    seen = row_sum > 0  # a row that saw no key (padded slot, empty split) yields zeros
+    out = acc / jnp.where(seen, row_sum, 1.0)[:, None]
+    out_ref[...] = out.reshape(out_ref.shape).astype(out_ref.dtype)
+    if lse_ref:
+        lse = jnp.where(seen, row_max + jnp.log(jnp.where(seen, row_sum, 1.0)), MASK_VALUE)
+        lse_ref[0][...] = lse.reshape(lse_ref[0].shape)
+
+
+def _combine_splits(partial_out, partial_lse):
+    """[N, B, Q, K, G, D] normalised partials + [N, B, Q, K, G] log-sum-exps -> [B, Q, K, G, D] float32."""
+    weights = jnp.exp(partial_lse - partial_lse.max(axis=0))  # empty splits carry MASK_VALUE -> weight 0 (or all 1)
+    return jnp.einsum("nbqkg,nbqkgd->bqkgd", weights, partial_out) / weights.sum(axis=0)[..., None]
+
+
 def _paged_attention_pallas(q, k, v, k_pages, v_pages, layer, page_table, context_lens, window_lens, *,
-                            block_size, sm_scale, sliding_window, logit_soft_cap, interpret):
-    raise NotImplementedError("the Pallas kernel lands with the kernel issue")
+                            block_size, sm_scale, sliding_window, logit_soft_cap, interpret, tiling_overrides=None):
+    """Pallas-Triton kernel; `tiling_overrides` ({field: value} of _Tiling) is for tests and benchmarks."""
+    batch, window, num_heads, head_dim = q.shape
+    num_layers, num_kv_heads, num_pages, page_size, _ = k_pages.shape
+    if head_dim & (head_dim - 1):
+        raise ValueError(f"the Pallas kernel needs a power-of-2 head_dim, got {head_dim}")
+    group = num_heads // num_kv_heads
+    tiling = _choose_tiling(q, page_size, page_table.shape[1], num_kv_heads, tiling_overrides)
+    num_q_tiles = -(-window // tiling.q_tile)
+    padded_window = num_q_tiles * tiling.q_tile
+
+    q5 = q.reshape(batch, window, num_kv_heads, group, head_dim)
+    if (padded_window, tiling.group) != (window, group):
+        q5 = jnp.pad(q5, ((0, 0), (0, padded_window - window), (0, 0), (0, tiling.group - group), (0, 0)))
+    pool_shape = (num_layers, num_kv_heads, num_pages * page_size, head_dim)  # pages flattened to rows: free
+    out_block = (tiling.q_tile, tiling.group, head_dim)
+    out_dims = (padded_window, num_kv_heads, tiling.group, head_dim)
+    whole = pl.BlockSpec(memory_space=pl.ANY)
+    if tiling.num_splits == 1:
+        out_shape = [jax.ShapeDtypeStruct((batch, *out_dims), q.dtype)]
+        out_specs = [pl.BlockSpec((pl.squeezed, tiling.q_tile, pl.squeezed, tiling.group, head_dim),
+                                  lambda t, s, h, b: (b, t, h, 0, 0))]
+    else:
+        out_shape = [jax.ShapeDtypeStruct((tiling.num_splits, batch, *out_dims), jnp.float32),
+                     jax.ShapeDtypeStruct((tiling.num_splits, batch, *out_dims[:-1]), jnp.float32)]
+        out_specs = [pl.BlockSpec((pl.squeezed, pl.squeezed, *out_block[:1], pl.squeezed, *out_block[1:]),
+                                  lambda t, s, h, b: (s, b, t, h, 0, 0)),
+                     pl.BlockSpec((pl.squeezed, pl.squeezed, tiling.q_tile, pl.squeezed, tiling.group),
+                                  lambda t, s, h, b: (s, b, t, h, 0))]
+    kernel = functools.partial(_paged_attention_kernel, tiling=tiling, block_size=block_size, page_size=page_size,
+                               sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap)
+    outs = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(num_q_tiles, tiling.num_splits, num_kv_heads, batch),  # query tiles sharing K/V launch together
+        in_specs=[whole, whole, whole, whole,
+                  pl.BlockSpec((pl.squeezed, tiling.q_tile, pl.squeezed, tiling.group, head_dim),
+                               lambda t, s, h, b: (b, t, h, 0, 0)),
+                  whole, whole, whole, whole],
+        out_specs=out_specs,
+        compiler_params=pltriton.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
+        interpret=interpret,
+        name="paged_block_attention",
+    )(jnp.asarray(layer, jnp.int32).reshape(1), page_table.astype(jnp.int32), context_lens.astype(jnp.int32),
+      window_lens.astype(jnp.int32), q5, k, v, k_pages.reshape(pool_shape), v_pages.reshape(pool_shape))
+    out = outs[0] if tiling.num_splits == 1 else _combine_splits(*outs).astype(q.dtype)
+    return out[:, :window, :, :group].reshape(batch, window, num_heads, head_dim)
 
 
 def _default_impl():
@@ -144,8 +342,8 @@ def paged_attention(q, k, v, k_pages, v_pages, layer, page_table, context_lens, 
     if sm_scale is None:
         sm_scale = q.shape[-1] ** -0.5
     impl = _default_impl() if impl == "auto" else impl
-    kwargs = dict(block_size=block_size, sm_scale=sm_scale, sliding_window=sliding_window,
-                  logit_soft_cap=logit_soft_cap)
+    kwargs = {"block_size": block_size, "sm_scale": sm_scale, "sliding_window": sliding_window,
+              "logit_soft_cap": logit_soft_cap}
     if impl == "reference":
         return paged_attention_reference(q, k, v, k_pages, v_pages, layer, page_table, context_lens, window_lens,
                                          **kwargs)

@@ -1,0 +1,162 @@
+"""Configuration: what a checkpoint is (ModelConfig) and how the engine runs it (EngineConfig, DecodingConfig).
+
+Model-intrinsic facts (shapes, block size a model was trained with, mask id) come from config.json and the
+tokenizer; runtime knobs (strategy, thresholds, limits) come from the user. One flag is one field, validated at
+construction with an error that names the field.
+"""
+
+import dataclasses
+from typing import Literal
+
+import jax.numpy as jnp
+
+
+class ConfigError(ValueError):
+    """A checkpoint or engine configuration that cannot be used; the message names the field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    num_shared_experts: int
+    first_k_dense_replace: int
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rotary_dim: int  # leading dims of each head that RoPE rotates; the rest pass through
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    default_block_size: int  # the block size the model was trained with
+    eos_token_ids: tuple[int, ...]
+    mask_token_id: int | None = None  # None: resolved from the tokenizer at load
+    moe: MoEConfig | None = None
+
+
+def hf_field(hf_config: dict, name: str, model_type: str, *aliases: str):
+    """Read a required config.json field, accepting older aliases, with an error that names it."""
+    for key in (name, *aliases):
+        if key in hf_config and hf_config[key] is not None:
+            return hf_config[key]
+    raise ConfigError(f"config.json lacks field {name!r}, which a {model_type!r} checkpoint needs")
+
+
+def rope_field(hf_config: dict, name: str, default: float) -> float:
+    """RoPE settings sit at the top level (older exports) or in `rope_parameters` (transformers 5)."""
+    nested = hf_config.get("rope_parameters") or {}
+    return float(hf_config.get(name) or nested.get(name) or default)
+
+
+def eos_ids(hf_config: dict) -> tuple[int, ...]:
+    eos = hf_config.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+Strategy = Literal["threshold", "fixed_steps", "joint_threshold"]
+
+# LLaDA2.1 presets (decoding.md §7): Speed writes any differing candidate (editing_threshold 0.0).
+JOINT_THRESHOLD_PRESETS = {
+    "quality": dict(threshold=0.7, editing_threshold=0.5, max_post_steps=16),
+    "speed": dict(threshold=0.5, editing_threshold=0.0, max_post_steps=16),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodingConfig:
+    """How a block is denoised. Knobs that the chosen strategy does not read must stay None."""
+
+    strategy: Strategy = "threshold"
+    threshold: float | None = None  # threshold / joint_threshold: commit masked positions with confidence >= this
+    denoising_steps: int | None = None  # fixed_steps: steps per block
+    editing_threshold: float | None = None  # joint_threshold: rewrite a filled token when its new candidate beats this
+    max_post_steps: int | None = None  # joint_threshold: editing steps allowed after a block has no masks
+    buffer_size: int = 1  # blocks in flight per request
+    add_block_threshold: float | None = None  # buffer_size > 1: open the next block at this fraction unmasked
+    semi_complete_threshold: float | None = None  # buffer_size > 1: force top-1 in a block once its predecessor is this full
+
+    def __post_init__(self):
+        uses = {
+            "threshold": {"threshold"},
+            "fixed_steps": {"denoising_steps"},
+            "joint_threshold": {"threshold", "editing_threshold", "max_post_steps"},
+        }
+        if self.strategy not in uses:
+            raise ConfigError(f"decoding_strategy must be one of {sorted(uses)}, got {self.strategy!r}")
+        defaults = {"threshold": 0.95, "denoising_steps": None, "editing_threshold": 0.5, "max_post_steps": 16}
+        for knob, default in defaults.items():
+            value = getattr(self, knob)
+            if knob not in uses[self.strategy] and value is not None:
+                raise ConfigError(f"{knob}={value!r} has no effect with decoding_strategy={self.strategy!r}")
+            if knob in uses[self.strategy] and value is None:
+                object.__setattr__(self, knob, default)
+        if self.buffer_size < 1:
+            raise ConfigError(f"buffer_size must be >= 1, got {self.buffer_size}")
+        for knob, default in (("add_block_threshold", 0.1), ("semi_complete_threshold", 0.9)):
+            value = getattr(self, knob)
+            if self.buffer_size == 1 and value is not None:
+                raise ConfigError(f"{knob}={value!r} needs buffer_size > 1")
+            if self.buffer_size > 1 and value is None:
+                object.__setattr__(self, knob, default)
+        for knob in ("threshold", "editing_threshold", "add_block_threshold", "semi_complete_threshold"):
+            value = getattr(self, knob)
+            if value is not None and not 0.0 <= value <= 1.0:
+                raise ConfigError(f"{knob} must lie in [0, 1], got {value}")
+        if self.denoising_steps is not None and self.denoising_steps < 1:
+            raise ConfigError(f"denoising_steps must be >= 1, got {self.denoising_steps}")
+        if self.max_post_steps is not None and self.max_post_steps < 0:
+            raise ConfigError(f"max_post_steps must be >= 0, got {self.max_post_steps}")
+
+
+DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float32": jnp.float32, "f32": jnp.float32}
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Runtime limits and layout. block_size/page_size None: the model's trained block size."""
+
+    block_size: int | None = None
+    page_size: int | None = None
+    dtype: str = "bfloat16"
+    quantization: Literal["int8", "fp8"] | None = None
+    max_num_seqs: int = 8
+    max_model_len: int | None = None  # None: the model's max_position_embeddings, capped at 4096
+    max_num_batched_tokens: int = 2048  # tokens per prefill step
+    num_pages: int | None = None  # KV pool size; None: sized from gpu_memory_utilization
+    gpu_memory_utilization: float = 0.9
+    max_steps_per_round: int | None = None  # denoising steps per device call; None: enough to finish a block
+    enable_prefix_caching: bool = True
+    max_waiting_requests: int = 1024
+    compilation_cache_dir: str | None = None
+    mask_token_id: int | None = None  # override the checkpoint's mask id
+    seed: int = 0  # draws seeds for requests that bring none
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.quantization not in (None, "int8", "fp8"):
+            raise ConfigError(f"quantization must be None, 'int8' or 'fp8', got {self.quantization!r}")
+        for knob in ("block_size", "page_size", "max_num_seqs", "max_model_len", "max_num_batched_tokens",
+                     "num_pages", "max_steps_per_round", "max_waiting_requests"):
+            value = getattr(self, knob)
+            if value is not None and value < 1:
+                raise ConfigError(f"{knob} must be >= 1, got {value}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization}")

@@ -1,0 +1,326 @@
+"""LLMEngine: requests in, committed blocks out. step() = schedule -> run on the device -> postprocess.
+
+One thread owns the device and calls step(); add_request and abort_request may come from any thread and take
+effect at the next step boundary.
+"""
+
+import collections
+import itertools
+import json
+import logging
+import pathlib
+import threading
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+import transformers
+from transformers import AutoTokenizer
+
+from jaxllm.config import DTYPES, ConfigError, DecodingConfig, EngineConfig
+from jaxllm.decoding import max_steps_per_block
+from jaxllm.engine.page_manager import PageManager
+from jaxllm.engine.request import Request, RequestOutput, RequestStatus
+from jaxllm.engine.runner import ModelRunner, StepSpec, powers_of_two
+from jaxllm.engine.scheduler import DecodeBatch, PrefillBatch, Scheduler, SchedulerConfig
+from jaxllm.models import load_model, model_config
+from jaxllm.models.layers import KVCache
+from jaxllm.sampling import SamplingParams
+
+logger = logging.getLogger("jaxllm")
+
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+def _load_tokenizer(model_dir: pathlib.Path):
+    """AutoTokenizer, without the warnings transformers prints about config.json fields it does not know."""
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            return AutoTokenizer.from_pretrained(model_dir)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+
+
+class CompilationAfterWarmup(RuntimeError):
+    """A jitted step compiled after warm-up: some shape escaped the buckets."""
+
+
+class QueueFull(RuntimeError):
+    """More requests are waiting than max_waiting_requests."""
+
+
+class _CompileGuard:
+    """Counts XLA compilations after warm-up; raises on one when strict (tests), logs it otherwise."""
+
+    def __init__(self):
+        self.armed = False
+        self.strict = False
+        self.count = 0
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def _on_event(self, event: str, duration: float, **_) -> None:
+        if event != _COMPILE_EVENT or not self.armed:
+            return
+        self.count += 1
+        logger.warning("compiled after warm-up (%.2fs): a shape escaped the buckets", duration)
+        if self.strict:
+            raise CompilationAfterWarmup(f"an XLA compilation ({duration:.2f}s) happened after warm-up")
+
+
+class LLMEngine:
+    def __init__(self, model_dir: str | pathlib.Path, engine_config: EngineConfig = EngineConfig(),
+                 decoding_config: DecodingConfig = DecodingConfig(), *, random_weights: bool = False):
+        self.config, self.decoding = engine_config, decoding_config
+        if engine_config.compilation_cache_dir:
+            jax.config.update("jax_compilation_cache_dir", engine_config.compilation_cache_dir)
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        model_dir = pathlib.Path(model_dir)
+        self.tokenizer = _load_tokenizer(model_dir)
+        self._tokenizer_lock = threading.Lock()  # fast tokenizers raise "Already borrowed" when shared by threads
+        self.model_config = model_config(model_dir)
+        self.mask_token_id = self._resolve_mask_id()
+        self.eos_token_ids = self._resolve_eos_ids(model_dir)
+        self.block_size = engine_config.block_size or self.model_config.default_block_size
+        self.page_size = engine_config.page_size or self.block_size
+        if self.page_size % self.block_size:
+            raise ConfigError(f"page_size ({self.page_size}) must be a multiple of block_size ({self.block_size})")
+        self.max_model_len = self._resolve_max_model_len()
+        model = load_model(model_dir, self.model_config, engine_config.dtype, random_init=random_weights)
+        num_pages = engine_config.num_pages or self._pages_that_fit()
+        self.runner = self._make_runner(model, num_pages)
+        self.scheduler = Scheduler(self._scheduler_config(), PageManager(num_pages, self.page_size))
+        self._inbox: collections.deque = collections.deque()  # ("add", request) / ("abort", id), any thread
+        self._wakeup = threading.Event()
+        self._requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._seeds = np.random.default_rng(engine_config.seed)
+        self._guard = _CompileGuard()
+        self.num_steps = 0
+        self.last_forward_time = 0.0
+
+    # set-up
+
+    def _resolve_mask_id(self) -> int:
+        mask = self.config.mask_token_id
+        for candidate in (self.model_config.mask_token_id, self.tokenizer.mask_token_id):
+            mask = candidate if mask is None else mask
+        if mask is None:
+            raise ConfigError("no mask token id: config.json has no mask_token_id and the tokenizer no mask_token; "
+                              "pass mask_token_id")
+        if not 0 <= mask < self.model_config.vocab_size:
+            raise ConfigError(f"mask_token_id {mask} lies outside the vocabulary ({self.model_config.vocab_size})")
+        return int(mask)
+
+    def _resolve_eos_ids(self, model_dir: pathlib.Path) -> tuple[int, ...]:
+        ids = set(self.model_config.eos_token_ids)
+        generation_config = model_dir / "generation_config.json"
+        if generation_config.exists():
+            eos = json.loads(generation_config.read_text()).get("eos_token_id")
+            ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(ids))
+
+    def _resolve_max_model_len(self) -> int:
+        limit = self.config.max_model_len or min(self.model_config.max_position_embeddings, 4096)
+        if limit > self.model_config.max_position_embeddings:
+            raise ConfigError(f"max_model_len {limit} exceeds the model's max_position_embeddings "
+                              f"{self.model_config.max_position_embeddings}")
+        return limit // self.block_size * self.block_size
+
+    def _page_bytes(self) -> int:
+        cfg = self.model_config
+        itemsize = jnp.dtype(DTYPES[self.config.dtype]).itemsize
+        return 2 * cfg.num_layers * cfg.num_kv_heads * self.page_size * cfg.head_dim * itemsize
+
+    def _pages_that_fit(self) -> int:
+        """Pages for the memory fraction left after the weights (GPU); enough for every sequence elsewhere."""
+        full_load = self.config.max_num_seqs * -(-self.max_model_len // self.page_size)
+        stats = jax.devices()[0].memory_stats()
+        if not stats or "bytes_limit" not in stats:
+            return full_load
+        budget = stats["bytes_limit"] * self.config.gpu_memory_utilization - stats["bytes_in_use"]
+        return max(int(budget * 0.9) // self._page_bytes(), 1)  # 10% left for activations
+
+    def _make_runner(self, model, num_pages: int) -> ModelRunner:
+        cfg = self.model_config
+        dtype = DTYPES[self.config.dtype]
+        pool_shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, self.page_size, cfg.head_dim)
+        kv = KVCache(jnp.zeros(pool_shape, dtype), jnp.zeros(pool_shape, dtype))
+        spec = StepSpec(
+            decoding=self.decoding, block_size=self.block_size, mask_token_id=self.mask_token_id,
+            num_real_tokens=min(len(self.tokenizer), cfg.vocab_size),
+            max_steps=self.config.max_steps_per_round or max_steps_per_block(self.decoding, self.block_size))
+        max_pages = -(-self.max_model_len // self.page_size)
+        chunk_tokens = max(self.config.max_num_batched_tokens // self.block_size * self.block_size, self.block_size)
+        return ModelRunner(
+            model, kv, spec, batch_buckets=powers_of_two(1, self.config.max_num_seqs),
+            width_buckets=powers_of_two(min(8, max_pages), max_pages),
+            chunk_buckets=powers_of_two(self.block_size, chunk_tokens), max_num_batched_tokens=chunk_tokens)
+
+    def _scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            block_size=self.block_size, page_size=self.page_size, buffer_size=self.decoding.buffer_size,
+            max_num_seqs=self.config.max_num_seqs, max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.runner.max_num_batched_tokens, mask_token_id=self.mask_token_id,
+            eos_token_ids=self.eos_token_ids, enable_prefix_caching=self.config.enable_prefix_caching)
+
+    def warmup(self, *, strict: bool = False) -> dict[str, float]:
+        """Compile every bucket now (progress bar, seconds per bucket); later compilations log, or raise if strict."""
+        timings = self.runner.warmup(lambda shapes: tqdm(shapes, desc="compiling buckets", unit="bucket"))
+        for name, seconds in timings.items():
+            logger.info("compiled %s in %.2fs", name, seconds)
+        self._guard.armed, self._guard.strict = True, strict
+        return timings
+
+    # requests
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, list):
+            return list(prompt)
+        with self._tokenizer_lock:
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        with self._tokenizer_lock:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def check_fits(self, prompt_len: int, params: SamplingParams) -> None:
+        """Raise ValueError when prompt plus max_tokens cannot fit the context or the KV pool."""
+        if prompt_len == 0:
+            raise ValueError("the prompt is empty")
+        if prompt_len + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{params.max_tokens} output tokens and your prompt contains at least {prompt_len} input tokens, "
+                f"for a total of at least {prompt_len + params.max_tokens} tokens. Please reduce the length of the "
+                f"input prompt or the number of requested output tokens.")
+        window = self.decoding.buffer_size * self.block_size
+        if -(-(prompt_len + params.max_tokens + window) // self.page_size) > self.scheduler.pages.num_pages:
+            raise ValueError(f"the request needs more KV pages than the pool holds ({self.scheduler.pages.num_pages})")
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        token_ids = self.tokenize(prompt)
+        self.check_fits(len(token_ids), params)
+        if len(self.scheduler.waiting) + len(self._inbox) >= self.config.max_waiting_requests:
+            raise QueueFull(f"{self.config.max_waiting_requests} requests are already waiting")
+        request_id = request_id or f"req-{next(self._ids)}"
+        seed = params.seed if params.seed is not None else int(self._seeds.integers(0, 2**32))
+        self._inbox.append(("add", Request(request_id, token_ids, params, seed)))
+        self._wakeup.set()
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        self._inbox.append(("abort", request_id))
+        self._wakeup.set()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._inbox) or self.scheduler.has_unfinished()
+
+    def wait_for_work(self, timeout: float) -> None:
+        self._wakeup.wait(timeout)
+        self._wakeup.clear()
+
+    def _drain_inbox(self) -> list[RequestOutput]:
+        outputs = []
+        while self._inbox:
+            kind, item = self._inbox.popleft()
+            if kind == "add":
+                self._requests[item.request_id] = item
+                self.scheduler.add(item)
+            elif item in self._requests and not self._requests[item].is_finished:
+                request = self._requests.pop(item)
+                self.scheduler.finish(request, "abort")
+                outputs.append(self._output(request, [], ""))
+        return outputs
+
+    # the step
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self._drain_inbox()
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return outputs
+        self.num_steps += 1
+        now = time.perf_counter()
+        for request in batch.requests:
+            request.stats.first_scheduled_time = request.stats.first_scheduled_time or now
+        if isinstance(batch, PrefillBatch):
+            self.runner.run_prefill(batch)
+            self.scheduler.postprocess_prefill(batch)
+            for request in batch.requests:
+                if request.status is RequestStatus.DECODING and request.stats.prefill_done_time is None:
+                    request.stats.prefill_done_time = time.perf_counter()
+            return outputs
+        return outputs + self._decode(batch)
+
+    def _decode(self, batch: DecodeBatch) -> list[RequestOutput]:
+        start = time.perf_counter()
+        results = self.runner.run_decode(batch)
+        elapsed = time.perf_counter() - start
+        self.last_forward_time = elapsed / max(results[0].num_forwards, 1)
+        committed = self.scheduler.postprocess_decode(batch, results)
+        outputs = []
+        for request in batch.requests:
+            if request.request_id not in committed and not request.is_finished:
+                continue
+            request.stats.first_block_time = request.stats.first_block_time or time.perf_counter()
+            new_text = self._detokenize(request)
+            outputs.append(self._output(request, committed.get(request.request_id, []), new_text))
+        return outputs
+
+    def _detokenize(self, request: Request) -> str:
+        """Append newly committed text, trim at a stop string, hold back an incomplete UTF-8 character."""
+        with self._tokenizer_lock:
+            text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+        for stop in request.params.stop:
+            cut = text.find(stop, max(len(request.text) - len(stop), 0))
+            if cut != -1:
+                text = text[:cut]
+                if not request.is_finished:
+                    self.scheduler.finish(request, "stop")
+                elif request.finish_reason == "length":
+                    request.finish_reason = "stop"
+        if not request.is_finished and text.endswith("\ufffd"):
+            text = text.rstrip("\ufffd")
+        new_text = text[len(request.text):] if text.startswith(request.text) else ""
+        request.text = text if text.startswith(request.text) else request.text
+        return new_text
+
+    def _output(self, request: Request, new_token_ids: list[int], new_text: str) -> RequestOutput:
+        if request.is_finished:
+            request.stats.finished_time = request.stats.finished_time or time.perf_counter()
+            self._requests.pop(request.request_id, None)
+        return RequestOutput(
+            request_id=request.request_id, new_token_ids=new_token_ids, new_text=new_text,
+            finished=request.is_finished, finish_reason=request.finish_reason,
+            prompt_token_ids=request.prompt_token_ids, token_ids=list(request.output_token_ids), text=request.text,
+            stats=request.stats.as_dict(len(request.output_token_ids)))
+
+    # gauges for metrics
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting) + sum(kind == "add" for kind, _ in self._inbox)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        pages = self.scheduler.pages
+        return pages.num_used_pages / pages.num_pages
+
+    @property
+    def compilations_after_warmup(self) -> int:
+        return self._guard.count

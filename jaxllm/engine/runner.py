@@ -1,0 +1,222 @@
+"""The device side of a step: pack a batch into bucket-shaped arrays, run the jitted step, bring back small outputs.
+
+Two jitted functions, one compile per shape bucket:
+  prefill        writes the KV of prompt chunks [B, C] into their pages; nothing comes back.
+  denoise_round  a lax.while_loop of denoising steps over every request's window [B, Q]: forward, logits,
+                 proposal, strategy update, until some request's front block is complete or the step cap is hit.
+                 Only the window tokens and counters come back; logits never leave the device.
+Weights are split from the NNX graph once and passed as a pytree; the KV pool is donated and updated in place.
+"""
+
+import bisect
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxllm import decoding
+from jaxllm.config import DecodingConfig
+from jaxllm.decoding import WindowState
+from jaxllm.engine.scheduler import DecodeBatch, DecodeResult, PrefillBatch
+from jaxllm.models.layers import AttentionMetadata, KVCache
+from jaxllm.sampling import propose
+
+
+def powers_of_two(low: int, high: int) -> list[int]:
+    """low, 2*low, ... up to the first value >= high."""
+    sizes = [low]
+    while sizes[-1] < high:
+        sizes.append(sizes[-1] * 2)
+    return sizes
+
+
+def pad_to_bucket(value: int, buckets: list[int], limit_name: str) -> int:
+    index = bisect.bisect_left(buckets, value)
+    if index == len(buckets):
+        raise ValueError(f"{value} exceeds the largest bucket {buckets[-1]}; raise {limit_name}")
+    return buckets[index]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """Everything static about the jitted steps (part of their compile key)."""
+
+    decoding: DecodingConfig
+    block_size: int
+    mask_token_id: int
+    num_real_tokens: int  # ids at or beyond this (padded vocab rows) are never proposed
+    max_steps: int  # denoising steps per round
+    attention_impl: str = "auto"
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class RoundInputs:
+    window: WindowState
+    context_lens: jax.Array  # i32[B]
+    page_table: jax.Array  # i32[B, W]
+    max_blocks: jax.Array  # i32[B]
+    seeds: jax.Array  # u32[B]
+    temperature: jax.Array  # f32[B]
+    top_k: jax.Array  # i32[B]
+    top_p: jax.Array  # f32[B]
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec"), donate_argnames=("kv",))
+def prefill(graphdef, params, kv: KVCache, tokens, context_lens, chunk_lens, page_table, *, spec: StepSpec):
+    """Write the KV of prompt chunks tokens i32[B, C] at positions context_len + i, i < chunk_len."""
+    md = AttentionMetadata(page_table, context_lens, chunk_lens, spec.block_size, spec.attention_impl)
+    _, kv = nnx.merge(graphdef, params)(tokens, kv, md)
+    return kv
+
+
+def _suppress_unproposable(logits, spec: StepSpec):
+    vocab_ids = jnp.arange(logits.shape[-1])
+    allowed = (vocab_ids < spec.num_real_tokens) & (vocab_ids != spec.mask_token_id)
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec"), donate_argnames=("kv",))
+def denoise_round(graphdef, params, kv: KVCache, inputs: RoundInputs, *, spec: StepSpec):
+    """Denoising steps until a front block completes (or max_steps). Returns (kv, window, complete, forwards)."""
+    model = nnx.merge(graphdef, params)
+    batch, window_size = inputs.window.tokens.shape
+    positions = inputs.context_lens[:, None] + jnp.arange(window_size, dtype=jnp.int32)[None, :]
+    live = inputs.window.num_active_blocks > 0
+
+    def step(carry):
+        forwards, state, kv, _ = carry
+        md = AttentionMetadata(inputs.page_table, inputs.context_lens, state.num_active_blocks * spec.block_size,
+                               spec.block_size, spec.attention_impl)
+        hidden, kv = model(state.tokens, kv, md)
+        logits = _suppress_unproposable(model.logits(hidden), spec)
+        steps = jnp.repeat(state.block_steps, spec.block_size, axis=1)
+        candidates, confidence = propose(logits, inputs.seeds, positions, steps, inputs.temperature, inputs.top_k,
+                                         inputs.top_p)
+        state, complete = decoding.update(state, candidates, confidence, inputs.max_blocks, spec.decoding,
+                                          block_size=spec.block_size, mask_token_id=spec.mask_token_id)
+        return forwards + 1, state, kv, complete
+
+    def keep_going(carry):
+        forwards, _, _, complete = carry
+        return (forwards < spec.max_steps) & jnp.any(live) & ~jnp.any(complete[:, 0] & live)
+
+    num_blocks = inputs.window.block_steps.shape[1]
+    init = (jnp.int32(0), inputs.window, kv, jnp.zeros((batch, num_blocks), bool))
+    forwards, state, kv, complete = jax.lax.while_loop(keep_going, step, init)
+    return kv, state, complete.sum(axis=1).astype(jnp.int32), forwards
+
+
+class ModelRunner:
+    """Owns the weights and the KV pool; turns scheduler batches into jitted calls."""
+
+    def __init__(self, model: nnx.Module, kv: KVCache, spec: StepSpec, *, batch_buckets: list[int],
+                 width_buckets: list[int], chunk_buckets: list[int], max_num_batched_tokens: int):
+        self.graphdef, self.params = nnx.split(model)
+        self.kv = kv
+        self.spec = spec
+        self.page_size = kv.k_pages.shape[3]
+        self.batch_buckets, self.width_buckets, self.chunk_buckets = batch_buckets, width_buckets, chunk_buckets
+        self.max_num_batched_tokens = max_num_batched_tokens
+
+    # shapes
+
+    def decode_shapes(self) -> list[tuple[int, int]]:
+        return [(b, w) for b in self.batch_buckets for w in self.width_buckets]
+
+    def prefill_shapes(self) -> list[tuple[int, int]]:
+        return [(b, c) for b in self.batch_buckets for c in self.chunk_buckets if b * c <= self.max_num_batched_tokens]
+
+    def _width(self, num_tokens: int) -> int:
+        return pad_to_bucket(-(-num_tokens // self.page_size), self.width_buckets, "max_model_len")
+
+    # prefill
+
+    def run_prefill(self, batch: PrefillBatch) -> None:
+        size = pad_to_bucket(len(batch.requests), self.batch_buckets, "max_num_seqs")
+        chunk = pad_to_bucket(max(batch.chunk_lens), self.chunk_buckets, "max_num_batched_tokens")
+        tokens = np.zeros((size, chunk), np.int32)
+        context_lens = np.zeros(size, np.int32)
+        chunk_lens = np.zeros(size, np.int32)
+        page_table = np.zeros((size, self.width_buckets[-1]), np.int32)
+        for i, (request, length) in enumerate(zip(batch.requests, batch.chunk_lens)):
+            start = request.context_len
+            tokens[i, :length] = request.all_token_ids[start:start + length]
+            context_lens[i], chunk_lens[i] = start, length
+            page_table[i, :len(request.page_ids)] = request.page_ids
+        self.kv = prefill(self.graphdef, self.params, self.kv, tokens, context_lens, chunk_lens, page_table,
+                          spec=self.spec)
+
+    # decode
+
+    def run_decode(self, batch: DecodeBatch) -> list[DecodeResult]:
+        inputs = self._round_inputs(batch)
+        self.kv, state, num_complete, forwards = denoise_round(self.graphdef, self.params, self.kv, inputs,
+                                                               spec=self.spec)
+        state, num_complete, forwards = jax.device_get((state, num_complete, forwards))
+        return [DecodeResult(state.tokens[i], int(state.num_active_blocks[i]), state.block_steps[i],
+                             state.block_masks[i], state.post_steps[i], int(num_complete[i]), int(forwards))
+                for i in range(len(batch.requests))]
+
+    def _round_inputs(self, batch: DecodeBatch) -> RoundInputs:
+        requests = batch.requests
+        size = pad_to_bucket(len(requests), self.batch_buckets, "max_num_seqs")
+        window = len(requests[0].window.tokens)
+        num_blocks = len(requests[0].window.block_steps)
+        width = self._width(max(r.context_len + m * self.spec.block_size for r, m in zip(requests, batch.max_blocks)))
+        arrays = dict(
+            tokens=np.full((size, window), self.spec.mask_token_id, np.int32), fixed=np.zeros((size, window), bool),
+            num_active_blocks=np.zeros(size, np.int32), block_steps=np.zeros((size, num_blocks), np.int32),
+            block_masks=np.zeros((size, num_blocks), np.int32), post_steps=np.zeros((size, num_blocks), np.int32),
+            context_lens=np.zeros(size, np.int32), page_table=np.zeros((size, width), np.int32),
+            max_blocks=np.zeros(size, np.int32), seeds=np.zeros(size, np.uint32),
+            temperature=np.zeros(size, np.float32), top_k=np.full(size, -1, np.int32),
+            top_p=np.ones(size, np.float32))
+        for i, (request, max_blocks) in enumerate(zip(requests, batch.max_blocks)):
+            w = request.window
+            for name in ("tokens", "fixed", "num_active_blocks", "block_steps", "block_masks", "post_steps"):
+                arrays[name][i] = getattr(w, name)
+            arrays["context_lens"][i] = request.context_len
+            arrays["page_table"][i, :len(request.page_ids)] = request.page_ids
+            arrays["max_blocks"][i] = max_blocks
+            arrays["seeds"][i] = request.seed
+            arrays["temperature"][i] = request.params.temperature
+            arrays["top_k"][i] = request.params.top_k
+            arrays["top_p"][i] = request.params.top_p
+        state = WindowState(*(arrays.pop(name) for name in (
+            "tokens", "fixed", "num_active_blocks", "block_steps", "block_masks", "post_steps")))
+        return RoundInputs(window=state, **arrays)
+
+    # warm-up
+
+    def warmup(self, progress=None) -> dict[str, float]:
+        """Compile every (step x bucket) with placeholder inputs that write nothing; returns seconds per bucket."""
+        timings = {}
+        shapes = [("prefill", s) for s in self.prefill_shapes()] + [("decode", s) for s in self.decode_shapes()]
+        for kind, shape in (progress(shapes) if progress else shapes):
+            start = time.perf_counter()
+            if kind == "prefill":
+                batch, chunk = shape
+                zeros = np.zeros(batch, np.int32)
+                self.kv = prefill(self.graphdef, self.params, self.kv, np.zeros((batch, chunk), np.int32), zeros,
+                                  zeros, np.zeros((batch, self.width_buckets[-1]), np.int32), spec=self.spec)
+            else:
+                self._warm_decode(*shape)
+            jax.block_until_ready(self.kv)
+            timings[f"{kind} {shape}"] = time.perf_counter() - start
+        return timings
+
+    def _warm_decode(self, batch: int, width: int) -> None:
+        window = self.spec.decoding.buffer_size * self.spec.block_size
+        num_blocks = self.spec.decoding.buffer_size
+        zeros_b, zeros_bn = np.zeros(batch, np.int32), np.zeros((batch, num_blocks), np.int32)
+        state = WindowState(np.full((batch, window), self.spec.mask_token_id, np.int32),
+                            np.zeros((batch, window), bool), zeros_b, zeros_bn, zeros_bn, zeros_bn)
+        inputs = RoundInputs(state, zeros_b, np.zeros((batch, width), np.int32), zeros_b,
+                             np.zeros(batch, np.uint32), np.zeros(batch, np.float32), np.full(batch, -1, np.int32),
+                             np.ones(batch, np.float32))
+        self.kv, *_ = denoise_round(self.graphdef, self.params, self.kv, inputs, spec=self.spec)

@@ -1,0 +1,231 @@
+"""The scheduler decides what the next device step does; it is plain host Python (no JAX) and owns the pages.
+
+Each step is either a prefill step (prompt chunks of several requests) or a decode round (every decoding request's
+window). Prefill goes first, but never twice in a row while requests are decoding. When pages run out, the most
+recently admitted request is preempted: its pages are freed and it is recomputed later from its prompt and committed
+output, with the same block alignment, so its output does not change.
+"""
+
+import collections
+import dataclasses
+
+import numpy as np
+
+from jaxllm.engine.page_manager import PageManager, page_hashes
+from jaxllm.engine.request import Request, RequestStatus, Window
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    block_size: int
+    page_size: int
+    buffer_size: int
+    max_num_seqs: int
+    max_model_len: int
+    max_num_batched_tokens: int  # prompt tokens per prefill step
+    mask_token_id: int
+    eos_token_ids: tuple[int, ...]
+    enable_prefix_caching: bool = True
+
+
+@dataclasses.dataclass
+class PrefillBatch:
+    requests: list[Request]
+    chunk_lens: list[int]  # prompt tokens each request prefills, starting at its context_len
+
+
+@dataclasses.dataclass
+class DecodeBatch:
+    requests: list[Request]
+    max_blocks: list[int]  # window blocks each request may have in flight this round
+
+
+@dataclasses.dataclass
+class DecodeResult:
+    """Per request, what a decode round returned (numpy, from the device)."""
+
+    tokens: np.ndarray  # i32[Q]
+    num_active_blocks: int
+    block_steps: np.ndarray  # i32[N]
+    block_masks: np.ndarray  # i32[N]
+    post_steps: np.ndarray  # i32[N]
+    num_complete_blocks: int
+    num_forwards: int
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, pages: PageManager):
+        self.cfg = cfg
+        self.pages = pages
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []  # admission order
+        self._last_step_was_prefill = False
+
+    # admission and planning
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> PrefillBatch | DecodeBatch | None:
+        self._admit()
+        prefilling = [r for r in self.running if r.status is RequestStatus.PREFILLING]
+        decoding = [r for r in self.running if r.status is RequestStatus.DECODING]
+        if prefilling and not (decoding and self._last_step_was_prefill):
+            batch = self._schedule_prefill(prefilling)
+            if batch.requests:
+                self._last_step_was_prefill = True
+                return batch
+        self._last_step_was_prefill = False
+        if decoding:
+            batch = self._schedule_decode(decoding)
+            if batch.requests:
+                return batch
+        return None
+
+    def _pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.cfg.page_size)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.cfg.max_num_seqs:
+            request = self.waiting[0]
+            target = request.prefill_target(self.cfg.block_size)
+            needed = self._pages_for(target + self.cfg.buffer_size * self.cfg.block_size)
+            if needed > self.pages.num_free_pages and self.running:
+                return  # wait for pages rather than thrash
+            self.waiting.popleft()
+            if self.cfg.enable_prefix_caching:
+                hashes = page_hashes(request.all_token_ids, self.cfg.page_size, target // self.cfg.page_size)
+                request.page_ids = self.pages.match_prefix(hashes)
+            request.context_len = len(request.page_ids) * self.cfg.page_size
+            request.stats.num_cached_tokens += request.context_len
+            request.status = RequestStatus.PREFILLING
+            self.running.append(request)
+            self._finish_prefill_if_done(request)
+
+    def _schedule_prefill(self, requests: list[Request]) -> PrefillBatch:
+        batch = PrefillBatch([], [])
+        budget = self.cfg.max_num_batched_tokens
+        for request in requests:
+            remaining = request.prefill_target(self.cfg.block_size) - request.context_len
+            chunk = min(remaining, budget) // self.cfg.block_size * self.cfg.block_size
+            if chunk == 0 or not self._ensure_pages(request, request.context_len + chunk):
+                break
+            batch.requests.append(request)
+            batch.chunk_lens.append(chunk)
+            budget -= chunk
+        return batch
+
+    def _max_blocks(self, request: Request) -> int:
+        end = min(len(request.prompt_token_ids) + request.params.max_tokens, self.cfg.max_model_len)
+        return max(1, min(self.cfg.buffer_size, -(-(end - request.context_len) // self.cfg.block_size)))
+
+    def _schedule_decode(self, requests: list[Request]) -> DecodeBatch:
+        batch = DecodeBatch([], [])
+        for request in requests:
+            if request.status is not RequestStatus.DECODING:
+                continue  # preempted below while making room for an earlier request
+            max_blocks = self._max_blocks(request)
+            while not self._ensure_pages(request, request.context_len + max_blocks * self.cfg.block_size):
+                victim = self.running[-1]
+                self.preempt(victim)
+                if victim is request:
+                    break
+            else:
+                batch.requests.append(request)
+                batch.max_blocks.append(max_blocks)
+        return batch
+
+    def _ensure_pages(self, request: Request, num_tokens: int) -> bool:
+        missing = self._pages_for(num_tokens) - len(request.page_ids)
+        if missing <= 0:
+            return True
+        pages = self.pages.allocate(missing)
+        if pages is None:
+            return False
+        request.page_ids.extend(pages)
+        return True
+
+    # results
+
+    def postprocess_prefill(self, batch: PrefillBatch) -> None:
+        for request, chunk in zip(batch.requests, batch.chunk_lens):
+            request.context_len += chunk
+            self._register_prompt_pages(request)
+            self._finish_prefill_if_done(request)
+
+    def _register_prompt_pages(self, request: Request) -> None:
+        if not self.cfg.enable_prefix_caching:
+            return
+        num_full = request.context_len // self.cfg.page_size
+        for page, page_hash in zip(request.page_ids[:num_full],
+                                   page_hashes(request.all_token_ids, self.cfg.page_size, num_full)):
+            self.pages.register(page, page_hash)
+
+    def _finish_prefill_if_done(self, request: Request) -> None:
+        target = request.prefill_target(self.cfg.block_size)
+        if request.context_len < target:
+            return
+        tail = request.all_token_ids[target:]  # the prompt tail shares the first block, fixed
+        request.window = Window.start(tail, self.cfg.buffer_size, self.cfg.block_size, self.cfg.mask_token_id)
+        request.status = RequestStatus.DECODING
+
+    def postprocess_decode(self, batch: DecodeBatch, results: list[DecodeResult]) -> dict[str, list[int]]:
+        """Commit finished blocks; returns the new output tokens of each request that committed any."""
+        committed = {}
+        for request, result in zip(batch.requests, results):
+            request.stats.num_forwards += result.num_forwards
+            window = request.window
+            window.tokens, window.num_active_blocks = result.tokens, result.num_active_blocks
+            window.block_steps, window.block_masks, window.post_steps = (
+                result.block_steps, result.block_masks, result.post_steps)
+            if result.num_complete_blocks:
+                committed[request.request_id] = self._commit(request, result.num_complete_blocks)
+        return committed
+
+    def _commit(self, request: Request, num_blocks: int) -> list[int]:
+        size = num_blocks * self.cfg.block_size
+        window = request.window
+        new_tokens = window.tokens[:size][~window.fixed[:size]].tolist()
+        new_tokens, reason = self._apply_token_stops(request, new_tokens)
+        request.output_token_ids.extend(new_tokens)
+        if reason:
+            self.finish(request, reason)
+        else:
+            request.context_len += size
+            window.shift(num_blocks, self.cfg.block_size, self.cfg.mask_token_id)
+        return new_tokens
+
+    def _apply_token_stops(self, request: Request, new_tokens: list[int]) -> tuple[list[int], str | None]:
+        params = request.params
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.cfg.eos_token_ids))
+        for i, token in enumerate(new_tokens):
+            if token in stop_ids:
+                return new_tokens[: i + 1], "stop"
+        room = min(params.max_tokens, self.cfg.max_model_len - len(request.prompt_token_ids))
+        room -= len(request.output_token_ids)
+        if len(new_tokens) >= room:
+            return new_tokens[:room], "length"
+        return new_tokens, None
+
+    # leaving
+
+    def finish(self, request: Request, reason: str) -> None:
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.pages.free(request.page_ids)
+        request.page_ids = []
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+
+    def preempt(self, request: Request) -> None:
+        self.pages.free(request.page_ids)
+        request.page_ids, request.context_len, request.window = [], 0, None
+        request.status = RequestStatus.WAITING
+        request.stats.num_preemptions += 1
+        self.running.remove(request)
+        self.waiting.appendleft(request)

@@ -1,0 +1,169 @@
+"""Load a Hugging Face checkpoint directory (config.json + safetensors, single file or sharded) into an NNX model.
+
+Each model file declares `hf_weight_map(cfg)`: parameter path -> `Tensor` (which checkpoint keys, how to convert,
+which layers and experts to stack). This module reads the tensors, checks every shape against the model built from
+config.json, and reports a checkpoint that does not fit with one error naming the field or tensor.
+"""
+
+import dataclasses
+import functools
+import json
+import pathlib
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+
+from jaxllm.config import ConfigError
+
+
+class CheckpointError(ConfigError):
+    """The checkpoint does not match its config.json; the message names the tensor."""
+
+
+def transpose(weight):  # HF Linear [out, in] -> kernel [in, out]
+    return weight.T
+
+
+def unchanged(weight):
+    return weight
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """How one model parameter is assembled from checkpoint tensors."""
+
+    keys: tuple[str, ...]  # checkpoint keys; "{layer}" and "{expert}" are filled in when stacking
+    convert: Callable[..., np.ndarray] = transpose  # the tensors of `keys`, in order -> one parameter slice
+    layers: tuple[int, ...] | None = None  # stack over these checkpoint layers on a leading axis
+    experts: int | None = None  # then stack over this many experts
+
+
+class SafetensorsReader:
+    """Random access to the tensors of a (possibly sharded) safetensors checkpoint."""
+
+    def __init__(self, model_dir: pathlib.Path):
+        index = model_dir / "model.safetensors.index.json"
+        if index.exists():
+            key_to_file = json.loads(index.read_text())["weight_map"]
+        else:
+            files = sorted(model_dir.glob("*.safetensors"))
+            if not files:
+                raise CheckpointError(f"no *.safetensors files in {model_dir}")
+            key_to_file = {}
+            for file in files:
+                with safe_open(file, framework="np") as handle:
+                    key_to_file |= {key: file.name for key in handle.keys()}
+        self._handles = {name: safe_open(model_dir / name, framework="np") for name in set(key_to_file.values())}
+        self._key_to_file = key_to_file
+        self.model_dir = model_dir
+
+    def keys(self) -> set[str]:
+        return set(self._key_to_file)
+
+    def get(self, key: str, needed_by: str) -> np.ndarray:
+        if key not in self._key_to_file:
+            raise CheckpointError(f"checkpoint {self.model_dir} lacks tensor {key!r} (needed for {needed_by})")
+        return self._handles[self._key_to_file[key]].get_tensor(key)
+
+
+def read_config(model_dir: pathlib.Path) -> dict:
+    path = model_dir / "config.json"
+    if not path.exists():
+        raise ConfigError(f"{model_dir} has no config.json; pass a Hugging Face checkpoint directory")
+    return json.loads(path.read_text())
+
+
+def _assemble(path: str, spec: Tensor, reader: SafetensorsReader, shape, dtype) -> np.ndarray:
+    def piece(fmt: dict, expected_shape) -> np.ndarray:
+        keys = [key.format(**fmt) for key in spec.keys]
+        tensors = [reader.get(key, path) for key in keys]
+        value = spec.convert(*tensors)
+        if value.shape != tuple(expected_shape):
+            shapes = ", ".join(f"{k} {tuple(t.shape)}" for k, t in zip(keys, tensors))
+            raise CheckpointError(f"tensor {shapes} does not fit parameter {path}: config.json implies "
+                                  f"{tuple(expected_shape)} after conversion, the checkpoint gives {value.shape}")
+        return value.astype(dtype)
+
+    if spec.layers is None:
+        return piece({}, shape)
+    out = np.empty(shape, dtype)
+    for i, layer in enumerate(spec.layers):
+        if spec.experts is None:
+            out[i] = piece({"layer": layer}, shape[1:])
+        else:
+            for expert in range(spec.experts):
+                out[i, expert] = piece({"layer": layer, "expert": expert}, shape[2:])
+    return out
+
+
+def _flat_params(state) -> dict[str, jax.ShapeDtypeStruct]:
+    flat = {}
+    for key_path, leaf in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]:
+        flat["/".join(str(k.key) for k in key_path)] = leaf
+    return flat
+
+
+def _unflatten(flat: dict[str, object]) -> dict:
+    tree: dict = {}
+    for path, value in flat.items():
+        node = tree
+        *parents, leaf = path.split("/")
+        for name in parents:
+            node = node.setdefault(name, {})
+        node[leaf] = value
+    return tree
+
+
+def load_weights(model_dir: pathlib.Path, abstract_model: nnx.Module, weight_map: dict[str, Tensor],
+                 ignored_keys: tuple[str, ...] = (), transform=None) -> nnx.Module:
+    """Fill an abstract (eval_shape) model from the checkpoint. transform(path, array) may re-encode (quantize)."""
+    graphdef, state = nnx.split(abstract_model)
+    params = _flat_params(state)
+    if set(params) != set(weight_map):
+        raise AssertionError(f"weight map and model disagree: {sorted(set(params) ^ set(weight_map))}")
+    reader = SafetensorsReader(model_dir)
+    used = set()
+    loaded = {}
+    for path, spec in weight_map.items():
+        struct = params[path]
+        array = _assemble(path, spec, reader, struct.shape, np.dtype(struct.dtype))
+        loaded[path] = transform(path, array) if transform else jnp.asarray(array)
+        used |= _used_keys(spec)
+    unexpected = sorted(reader.keys() - used - set(ignored_keys))
+    if unexpected:
+        raise CheckpointError(f"checkpoint {model_dir} has {len(unexpected)} tensors that this model does not use, "
+                              f"e.g. {unexpected[:3]}; does config.json match the weights?")
+    nnx.replace_by_pure_dict(state, _unflatten(loaded))
+    return nnx.merge(graphdef, state)
+
+
+def _used_keys(spec: Tensor) -> set[str]:
+    layers = spec.layers if spec.layers is not None else (None,)
+    experts = range(spec.experts) if spec.experts is not None else (None,)
+    return {key.format(layer=layer, expert=expert) for key in spec.keys for layer in layers for expert in experts}
+
+
+def random_weights(abstract_model: nnx.Module, seed: int = 0, std: float = 0.02) -> nnx.Module:
+    """Fill an abstract model with random weights made on the device (for full-size benchmarks)."""
+    graphdef, state = nnx.split(abstract_model)
+    params = _flat_params(state)
+
+    @functools.partial(jax.jit, static_argnums=(1, 2))
+    def make(key, shape, dtype):
+        return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+    keys = jax.random.split(jax.random.key(seed), len(params))
+    filled = {}
+    for key, (path, struct) in zip(keys, sorted(params.items())):
+        if path.endswith("weight") and len(struct.shape) <= 2:  # norm weights: near one
+            filled[path] = (1.0 + make(key, struct.shape, jnp.float32)).astype(struct.dtype)
+        elif path.endswith("expert_bias"):
+            filled[path] = jnp.abs(make(key, struct.shape, struct.dtype))
+        else:
+            filled[path] = make(key, struct.shape, struct.dtype)
+    nnx.replace_by_pure_dict(state, _unflatten(filled))
+    return nnx.merge(graphdef, state)

@@ -1,0 +1,206 @@
+"""Building blocks shared by the block-diffusion transformers: norms, RoPE, attention over the page pool, MLPs.
+
+Axis letters: B batch, Q window tokens, E model width, H query heads, K kv heads, D head dim, V vocab.
+Numerics follow the Hugging Face reference implementations: RMSNorm in float32 cast back before the weight,
+RoPE tables in float32 cast to the activation dtype, softmax in float32, logits in float32.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxllm.kernels.paged_attention import paged_attention, write_kv_pages
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    """The page pool of every layer; donated to each step and updated in place."""
+
+    k_pages: jax.Array  # [L, K, P, S, D]
+    v_pages: jax.Array  # [L, K, P, S, D]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class AttentionMetadata:
+    """Where a step's window sits: positions context_len + i, pages through page_table."""
+
+    page_table: jax.Array  # i32[B, W]
+    context_lens: jax.Array  # i32[B] committed tokens before the window (a multiple of block_size)
+    window_lens: jax.Array  # i32[B] valid window tokens; later ones are placeholders
+    block_size: int = dataclasses.field(metadata=dict(static=True))
+    attention_impl: str = dataclasses.field(default="auto", metadata=dict(static=True))
+
+    def positions(self, window: int) -> jax.Array:  # i32[B, Q]
+        return self.context_lens[:, None] + jnp.arange(window, dtype=jnp.int32)[None, :]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DenseMetadata:
+    """Training-time attention over the whole sequence with an explicit mask; no page pool is read or written."""
+
+    positions: jax.Array  # i32[B, T] RoPE positions
+    mask: jax.Array  # bool[B, T, T] query i may see key j
+
+
+def dense_attention(q, k, v, mask):
+    """Softmax attention in float32 with a boolean mask. q [B, T, H, D], k/v [B, T, K, D], mask bool[B, T, T]."""
+    batch, length, num_heads, head_dim = q.shape
+    group = num_heads // k.shape[2]
+    qf = q.astype(jnp.float32).reshape(batch, length, k.shape[2], group, head_dim)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qf, k.astype(jnp.float32)) * head_dim ** -0.5
+    scores = jnp.where(mask[:, None, None], scores, -1e30)
+    out = jnp.einsum("bkgts,bskd->btkgd", jax.nn.softmax(scores, axis=-1), v.astype(jnp.float32))
+    return out.reshape(batch, length, num_heads, head_dim).astype(q.dtype)
+
+
+def normal_init(rngs: nnx.Rngs, shape, dtype, std=0.02):
+    return nnx.Param((std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype))
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel, kernel [in, out] (HF stores [out, in]; the loader transposes)."""
+
+    def __init__(self, in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs):
+        self.kernel = normal_init(rngs, (in_features, out_features), dtype)
+
+    def __call__(self, x):
+        return jnp.dot(x, self.kernel[...].astype(x.dtype))
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, *, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x):
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * xf.astype(x.dtype)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, dtype, rngs: nnx.Rngs):
+        self.gate_proj = Linear(hidden_size, intermediate_size, dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(hidden_size, intermediate_size, dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(intermediate_size, hidden_size, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def apply_rope(x, positions, *, theta: float, rotary_dim: int):
+    """NeoX (rotate-half) RoPE over the first rotary_dim dims of each head. x [B, Q, N, D], positions i32[B, Q]."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, Q, rotary_dim/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+    rot, passthrough = x[..., :rotary_dim], x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated = jnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
+    return jnp.concatenate([rot * cos + rotated * sin, passthrough], axis=-1)
+
+
+class Attention(nnx.Module):
+    """GQA with per-head QK RMSNorm and (partial) RoPE over the paged KV pool.
+
+    fused_qkv=True stores one [E, (H+2K)*D] projection (LLaDA2 `query_key_value`), else q/k/v projections (Qwen3).
+    """
+
+    def __init__(self, cfg, *, fused_qkv: bool, dtype, rngs: nnx.Rngs):
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.rope_theta, self.rotary_dim = cfg.rope_theta, cfg.rotary_dim
+        q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.fused_qkv = fused_qkv
+        if fused_qkv:
+            self.qkv_proj = Linear(cfg.hidden_size, q_width + 2 * kv_width, dtype=dtype, rngs=rngs)
+        else:
+            self.q_proj = Linear(cfg.hidden_size, q_width, dtype=dtype, rngs=rngs)
+            self.k_proj = Linear(cfg.hidden_size, kv_width, dtype=dtype, rngs=rngs)
+            self.v_proj = Linear(cfg.hidden_size, kv_width, dtype=dtype, rngs=rngs)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype)
+        self.o_proj = Linear(q_width, cfg.hidden_size, dtype=dtype, rngs=rngs)
+
+    def _project(self, x):
+        batch, window, _ = x.shape
+        if self.fused_qkv:
+            qkv = self.qkv_proj(x).reshape(batch, window, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+            return jnp.split(qkv, [self.num_heads, self.num_heads + self.num_kv_heads], axis=2)
+        q = self.q_proj(x).reshape(batch, window, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(batch, window, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(batch, window, self.num_kv_heads, self.head_dim)
+        return q, k, v
+
+    def __call__(self, x, kv: KVCache | None, layer, md: AttentionMetadata | DenseMetadata):
+        batch, window, _ = x.shape
+        q, k, v = self._project(x)
+        positions = md.positions if isinstance(md, DenseMetadata) else md.positions(window)
+        q = apply_rope(self.q_norm(q), positions, theta=self.rope_theta, rotary_dim=self.rotary_dim)
+        k = apply_rope(self.k_norm(k), positions, theta=self.rope_theta, rotary_dim=self.rotary_dim)
+        if isinstance(md, DenseMetadata):
+            return self.o_proj(dense_attention(q, k, v, md.mask).reshape(batch, window, -1)), kv
+        out = paged_attention(q, k, v, kv.k_pages, kv.v_pages, layer, md.page_table, md.context_lens,
+                              md.window_lens, block_size=md.block_size, impl=md.attention_impl)
+        k_pages, v_pages = write_kv_pages(kv.k_pages, kv.v_pages, layer, k, v, md.page_table, md.context_lens,
+                                          md.window_lens)
+        return self.o_proj(out.reshape(batch, window, -1)), KVCache(k_pages, v_pages)
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then h + mlp(norm(h))."""
+
+    def __init__(self, cfg, mlp: nnx.Module, *, fused_qkv: bool, dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.attn = Attention(cfg, fused_qkv=fused_qkv, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.mlp = mlp
+
+    def __call__(self, x, kv: KVCache, layer, md: AttentionMetadata):
+        attn_out, kv = self.attn(self.input_layernorm(x), kv, layer, md)
+        x = x + attn_out
+        return x + self.mlp(self.post_attention_layernorm(x)), kv
+
+
+def stacked(make_layer, num_layers: int, rngs: nnx.Rngs):
+    """num_layers copies of a layer with parameters stacked on a leading axis, for scanning."""
+
+    @nnx.split_rngs(splits=num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+        return make_layer(rngs)
+
+    return make(rngs)
+
+
+def scan_layers(layers: nnx.Module, x, kv: KVCache, first_layer: int, md: AttentionMetadata):
+    """Run stacked layers in order over (x, kv); layer i writes pool slice first_layer + i."""
+    graphdef, state = nnx.split(layers)
+    num_layers = jax.tree.leaves(state)[0].shape[0]
+
+    def body(carry, layer_state_and_index):
+        x, kv = carry
+        layer_state, layer = layer_state_and_index
+        x, kv = nnx.merge(graphdef, layer_state)(x, kv, layer, md)
+        return (x, kv), None
+
+    indices = first_layer + jnp.arange(num_layers, dtype=jnp.int32)
+    (x, kv), _ = jax.lax.scan(body, (x, kv), (state, indices))
+    return x, kv
+
+
+class Embedding(nnx.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, *, dtype, rngs: nnx.Rngs):
+        self.embedding = normal_init(rngs, (vocab_size, hidden_size), dtype)
+
+    def __call__(self, tokens):
+        return jnp.take(self.embedding[...], tokens, axis=0)
+
+    def attend(self, x):  # tied LM head
+        return jnp.dot(x, self.embedding[...].T.astype(x.dtype))

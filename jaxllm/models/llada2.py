@@ -1,0 +1,159 @@
+"""LLaDA2.0 / 2.1 (inclusionAI): the BailingMoeV2 architecture trained for block diffusion.
+
+Fused QKV, per-head QK RMSNorm, partial RoPE (the first half of each head), the first `first_k_dense_replace`
+layers dense and the rest MoE: a float32 sigmoid router whose expert bias steers selection only, group-limited
+top-k, top-k weights normalised and scaled by routed_scaling_factor, plus shared experts. Block-causal attention,
+in-place logits.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxllm.config import ModelConfig, MoEConfig, eos_ids, hf_field, rope_field
+from jaxllm.kernels.moe import moe_experts, route_grouped_sigmoid
+from jaxllm.loader import Tensor, transpose, unchanged
+from jaxllm.models.layers import MLP, AttentionMetadata, DecoderLayer, Embedding, KVCache, Linear, RMSNorm, \
+    normal_init, scan_layers, stacked
+
+MODEL_TYPE = "llada2_moe"
+
+
+def config_from_hf(hf: dict) -> ModelConfig:
+    field = lambda name, *aliases: hf_field(hf, name, MODEL_TYPE, *aliases)  # noqa: E731
+    if hf.get("score_function", "sigmoid") != "sigmoid":
+        raise ValueError(f"score_function {hf['score_function']!r} is not supported; LLaDA2 routes with 'sigmoid'")
+    num_heads = field("num_attention_heads")
+    head_dim = hf.get("head_dim") or field("hidden_size") // num_heads
+    moe = MoEConfig(
+        num_experts=field("num_experts"),
+        num_experts_per_tok=field("num_experts_per_tok"),
+        moe_intermediate_size=field("moe_intermediate_size"),
+        num_shared_experts=int(hf.get("num_shared_experts") or 0),
+        first_k_dense_replace=int(hf.get("first_k_dense_replace", 0)),
+        n_group=int(hf.get("n_group") or 1),
+        topk_group=int(hf.get("topk_group") or 1),
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+    )
+    return ModelConfig(
+        model_type=MODEL_TYPE,
+        vocab_size=field("vocab_size"),
+        hidden_size=field("hidden_size"),
+        num_layers=field("num_hidden_layers"),
+        num_heads=num_heads,
+        num_kv_heads=field("num_key_value_heads"),
+        head_dim=head_dim,
+        intermediate_size=field("intermediate_size"),
+        rms_norm_eps=field("rms_norm_eps"),
+        rope_theta=rope_field(hf, "rope_theta", 600000.0),
+        rotary_dim=int(head_dim * rope_field(hf, "partial_rotary_factor", 0.5)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_position_embeddings=field("max_position_embeddings"),
+        default_block_size=int(hf.get("block_size", 32)),
+        eos_token_ids=eos_ids(hf),
+        mask_token_id=hf.get("mask_token_id"),
+        moe=moe,
+    )
+
+
+class SparseMoE(nnx.Module):
+    """Routed experts plus shared experts on a flat token axis."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        moe = self.moe = cfg.moe
+        width = moe.moe_intermediate_size
+        self.gate = Linear(cfg.hidden_size, moe.num_experts, dtype=jnp.float32, rngs=rngs)  # router stays f32
+        self.expert_bias = nnx.Param(jnp.zeros((moe.num_experts,), jnp.float32))
+        self.experts_gate_up = normal_init(rngs, (moe.num_experts, cfg.hidden_size, 2 * width), dtype)
+        self.experts_down = normal_init(rngs, (moe.num_experts, width, cfg.hidden_size), dtype)
+        self.shared_experts = (MLP(cfg.hidden_size, width * moe.num_shared_experts, dtype=dtype, rngs=rngs)
+                               if moe.num_shared_experts else None)
+
+    def __call__(self, x):
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        weights, expert_ids = route_grouped_sigmoid(
+            self.gate(flat.astype(jnp.float32)), self.expert_bias[...], top_k=self.moe.num_experts_per_tok,
+            n_group=self.moe.n_group, topk_group=self.moe.topk_group,
+            routed_scaling_factor=self.moe.routed_scaling_factor, norm_topk_prob=self.moe.norm_topk_prob)
+        out = moe_experts(flat, expert_ids, weights, self.experts_gate_up[...], self.experts_down[...])
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+        return out.reshape(shape)
+
+
+class LLaDA2(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        self.cfg = cfg
+        num_dense = cfg.moe.first_k_dense_replace
+        self.embed = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        dense_layer = lambda r: DecoderLayer(  # noqa: E731
+            cfg, MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=r), fused_qkv=True, dtype=dtype, rngs=r)
+        moe_layer = lambda r: DecoderLayer(  # noqa: E731
+            cfg, SparseMoE(cfg, dtype=dtype, rngs=r), fused_qkv=True, dtype=dtype, rngs=r)
+        self.dense_layers = stacked(dense_layer, num_dense, rngs) if num_dense else None
+        self.moe_layers = stacked(moe_layer, cfg.num_layers - num_dense, rngs)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs)
+
+    def __call__(self, tokens, kv: KVCache, md: AttentionMetadata):
+        """tokens i32[B, Q] -> final hidden states [B, Q, E], updated pool."""
+        x = self.embed(tokens)
+        if self.dense_layers is not None:
+            x, kv = scan_layers(self.dense_layers, x, kv, 0, md)
+        x, kv = scan_layers(self.moe_layers, x, kv, self.cfg.moe.first_k_dense_replace, md)
+        return self.norm(x), kv
+
+    def logits(self, hidden):  # f32[..., V]
+        head = self.embed.attend(hidden) if self.cfg.tie_word_embeddings else self.lm_head(hidden)
+        return head.astype(jnp.float32)
+
+
+def _gate_up(gate, up):  # HF [I, E] each -> [E, 2I], gate first
+    return np.concatenate([gate.T, up.T], axis=1)
+
+
+def hf_weight_map(cfg: ModelConfig) -> dict[str, Tensor]:
+    """Model parameter path -> the checkpoint tensors it is made of."""
+    num_dense = cfg.moe.first_k_dense_replace
+    layer = "model.layers.{layer}."
+    attention = {
+        "input_layernorm/weight": (("input_layernorm.weight",), unchanged),
+        "post_attention_layernorm/weight": (("post_attention_layernorm.weight",), unchanged),
+        "attn/qkv_proj/kernel": (("attention.query_key_value.weight",), transpose),  # rows: q heads, k heads, v heads
+        "attn/o_proj/kernel": (("attention.dense.weight",), transpose),
+        "attn/q_norm/weight": (("attention.query_layernorm.weight",), unchanged),
+        "attn/k_norm/weight": (("attention.key_layernorm.weight",), unchanged),
+    }
+    dense_mlp = {f"mlp/{name}/kernel": ((f"mlp.{name}.weight",), transpose)
+                 for name in ("gate_proj", "up_proj", "down_proj")}
+    moe_mlp = {
+        "mlp/gate/kernel": (("mlp.gate.weight",), transpose),
+        "mlp/expert_bias": (("mlp.gate.expert_bias",), unchanged),
+    }
+    if cfg.moe.num_shared_experts:
+        moe_mlp |= {f"mlp/shared_experts/{name}/kernel": ((f"mlp.shared_experts.{name}.weight",), transpose)
+                    for name in ("gate_proj", "up_proj", "down_proj")}
+    weights = {}
+    for stack, layers, mlp in (("dense_layers", range(num_dense), dense_mlp),
+                               ("moe_layers", range(num_dense, cfg.num_layers), moe_mlp)):
+        for path, (keys, convert) in (attention | mlp).items():
+            if layers:
+                weights[f"{stack}/{path}"] = Tensor(tuple(layer + k for k in keys), convert, layers=tuple(layers))
+    moe_layers = tuple(range(num_dense, cfg.num_layers))
+    expert = layer + "mlp.experts.{expert}."
+    weights["moe_layers/mlp/experts_gate_up"] = Tensor(
+        (expert + "gate_proj.weight", expert + "up_proj.weight"), _gate_up, layers=moe_layers,
+        experts=cfg.moe.num_experts)
+    weights["moe_layers/mlp/experts_down"] = Tensor(
+        (expert + "down_proj.weight",), transpose, layers=moe_layers, experts=cfg.moe.num_experts)
+    weights["embed/embedding"] = Tensor(("model.word_embeddings.weight",), unchanged)
+    weights["norm/weight"] = Tensor(("model.norm.weight",), unchanged)
+    if not cfg.tie_word_embeddings:
+        weights["lm_head/kernel"] = Tensor(("lm_head.weight",), transpose)
+    return weights
+
+
+IGNORED_KEYS = ("lm_head.weight",)

@@ -1,0 +1,88 @@
+"""Load-time weight quantization: int8 and fp8 (e4m3) with per-output-channel scales.
+
+A weight w[..., K, N] (K is contracted, N indexes output channels) becomes values[..., K, N] (int8 or
+float8_e4m3fn) and scales f32[..., N] with w ~= values * scales[..., None, :]. A per-output-channel scale is
+constant along K, so it factors out of the reduction: x @ w ~= (x @ values) * scales, and kernels apply it once,
+after accumulating.
+
+  int8  symmetric: scale = max_K |w| / 127, values = round(w / scale)     ->  |w - deq| <= scale / 2
+  fp8   scale = max_K |w| / 448 (e4m3's largest finite), values = round-to-nearest-even cast of w / scale
+                                                                          ->  |w - deq| <= 2^-4 |w| (normals)
+`quantize_rows` does the same per row of an activation matrix, for the fp8 x fp8 path.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+QUANTIZATION_MODES = ("int8", "fp8")
+INT8_MAX = 127.0
+FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["values", "scales"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+    """A quantized [..., K, N] weight; accepted wherever the kernels take a plain weight array."""
+
+    values: jax.Array  # int8 | float8_e4m3fn [..., K, N]
+    scales: jax.Array  # f32[..., N]
+
+    @property
+    def shape(self):
+        return self.values.shape
+
+    @property
+    def ndim(self):
+        return self.values.ndim
+
+
+def _quantize_along(a, axis, mode):
+    """Quantize `a` with one scale per slice along `axis` (the reduced axis); returns (values, f32 scales)."""
+    a = a.astype(jnp.float32)
+    format_max = INT8_MAX if mode == "int8" else FP8_MAX
+    amax = jnp.abs(a).max(axis=axis, keepdims=True)
+    scales = jnp.where(amax > 0, amax / format_max, 1.0)  # an all-zero slice keeps scale 1 and values 0
+    # a / scale can land a rounding error above format_max; clip so e4m3 (which has no inf) never turns NaN
+    scaled = jnp.clip(a / scales, -format_max, format_max)
+    values = jnp.round(scaled).astype(jnp.int8) if mode == "int8" else scaled.astype(jnp.float8_e4m3fn)
+    return values, jnp.squeeze(scales, axis)
+
+
+def quantize(w, mode):
+    """[..., K, N] float weight -> QuantizedWeight with one f32 scale per output channel (per [..., N])."""
+    if mode not in QUANTIZATION_MODES:
+        raise ValueError(f"quantization mode must be one of {QUANTIZATION_MODES}, got {mode!r}")
+    if w.ndim < 2:
+        raise ValueError(f"quantize needs a [..., K, N] weight, got shape {w.shape}")
+    values, scales = _quantize_along(w, -2, mode)
+    return QuantizedWeight(values=values, scales=scales)
+
+
+def dequantize(weight, dtype=jnp.float32):
+    """QuantizedWeight (or a plain array, passed through) -> [..., K, N] array of `dtype`."""
+    if not isinstance(weight, QuantizedWeight):
+        return weight.astype(dtype)
+    return (weight.values.astype(jnp.float32) * jnp.expand_dims(weight.scales, -2)).astype(dtype)
+
+
+def quantize_rows(a):
+    """[R, D] activations -> (float8_e4m3fn [R, D], f32[R] scales), one scale per row (per token)."""
+    return _quantize_along(a, 1, "fp8")
+
+
+def matmul(x, w):
+    """x[..., K] @ w[K, N] for a plain or quantized weight; float32 accumulation, result in x's dtype.
+
+    A quantized weight is up-cast to x's dtype (exact for int8 and e4m3 into bf16 or f32) and scaled after the
+    reduction; the up-cast is elementwise on the operand, so XLA may fuse it into the GEMM's operand load.
+    """
+    if isinstance(w, QuantizedWeight):
+        if w.ndim != 2:
+            raise ValueError(f"matmul takes a [K, N] weight, got a quantized weight of shape {w.shape}")
+        out = jnp.dot(x, w.values.astype(x.dtype), preferred_element_type=jnp.float32) * w.scales
+    else:
+        out = jnp.dot(x, w, preferred_element_type=jnp.float32)
+    return out.astype(x.dtype)

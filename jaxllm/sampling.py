@@ -1,0 +1,86 @@
+"""Per-request sampling: the user's SamplingParams and the on-device proposal of a token per position.
+
+Every random draw for a request comes from fold_in(fold_in(key(seed), absolute position), block step), never from a
+batch-wide key, so a seeded request gives the same tokens alone or in any batch. Greedy (temperature 0) takes the
+argmax, ties to the lowest token id.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = -1  # -1: off
+    top_p: float = 1.0
+    seed: int | None = None  # None: the engine draws one
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise ValueError(f"temperature must lie in [0, 2], got {self.temperature}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+        if self.seed is not None and not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed must lie in [0, 2**32), got {self.seed}")
+
+
+def _filter_top_k_top_p(logits, top_k, top_p):
+    """Mask logits outside each row's top-k and top-p nucleus. logits f32[N, V], top_k i32[N] (-1 off), top_p f32[N]."""
+    sorted_desc = -jnp.sort(-logits, axis=-1)
+    vocab = logits.shape[-1]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
+    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs  # probability above each sorted entry
+    # the smallest prefix whose mass reaches top_p: keep entries whose preceding mass is below top_p
+    nucleus_size = jnp.sum(mass_before < top_p[:, None], axis=-1)
+    pth = jnp.take_along_axis(sorted_desc, (nucleus_size - 1)[:, None], axis=-1)
+    return jnp.where(logits >= jnp.maximum(kth, pth), logits, -jnp.inf)
+
+
+def propose(logits, seeds, positions, steps, temperature, top_k, top_p):
+    """A candidate token and its confidence for every position.
+
+    logits f32[B, Q, V]; seeds u32[B]; positions, steps i32[B, Q]; temperature, top_p f32[B]; top_k i32[B].
+    Returns (candidates i32[B, Q], confidence f32[B, Q]): confidence is the candidate's probability under the
+    distribution it was drawn from (temperature, top-k and top-p applied; plain softmax when greedy).
+    """
+    batch, window, vocab = logits.shape
+    greedy = temperature <= 0.0
+    scale = jnp.where(greedy, 1.0, temperature)[:, None, None]
+    scaled = logits / scale
+    needs_filter = jnp.any((top_k > 0) | (top_p < 1.0))
+    rows = lambda x: jnp.broadcast_to(x[:, None], (batch, window)).reshape(-1)  # noqa: E731
+    scaled = jax.lax.cond(
+        needs_filter,
+        lambda s: _filter_top_k_top_p(s.reshape(-1, vocab), rows(top_k), rows(top_p)).reshape(s.shape),
+        lambda s: s, scaled)
+
+    def gumbel_argmax(s):
+        def one(seed, position, step, row):
+            key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), position), step)
+            return jnp.argmax(row + jax.random.gumbel(key, (vocab,), jnp.float32))
+        sampled = jax.vmap(jax.vmap(one, in_axes=(None, 0, 0, 0)))(seeds, positions, steps, s)
+        return jnp.where(greedy[:, None], jnp.argmax(s, axis=-1), sampled)
+
+    candidates = jax.lax.cond(jnp.any(~greedy), gumbel_argmax, lambda s: jnp.argmax(s, axis=-1), scaled)
+    log_norm = jax.nn.logsumexp(scaled, axis=-1)
+    chosen = jnp.take_along_axis(scaled, candidates[..., None], axis=-1)[..., 0]
+    return candidates.astype(jnp.int32), jnp.exp(chosen - log_norm)

@@ -1,0 +1,271 @@
+"""MoE routing and the grouped-GEMM expert kernel against independent oracles.
+
+On CPU the Pallas kernels run in interpret mode, whose outputs start as NaN: a row tile the kernel fails to
+write shows up as NaN in the combined output. On the GPU the same file runs the compiled kernels.
+"""
+
+import functools
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh
+
+from jaxllm.kernels.moe import (
+    GemmTiles,
+    MoeTiles,
+    _group_by_expert,
+    _num_row_tiles,
+    moe_experts,
+    moe_experts_reference,
+    route_grouped_sigmoid,
+    route_softmax_topk,
+)
+from jaxllm.quantization import QuantizedWeight, quantize
+
+ON_GPU = jax.default_backend() == "gpu"
+INTERPRET = not ON_GPU
+gpu = pytest.mark.gpu
+requires_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+
+HIDDEN, INTER = 128, 64
+# several column tiles and K steps per GEMM, so the loops and column offsets are exercised at test size
+SMALL_TILES = MoeTiles(16, gate_up=GemmTiles(32, 32, 4, 2), down=GemmTiles(32, 32, 4, 2))
+
+
+# ---------------------------------------------------------------------------------------------- routing oracles
+
+def _sigmoid(a):
+    return 1.0 / (1.0 + np.exp(-a))
+
+
+def _grouped_sigmoid_oracle(logits, bias, top_k, n_group, topk_group, scale, norm):
+    num_tokens, num_experts = logits.shape
+    group_width = num_experts // n_group
+    weights, ids = np.zeros((num_tokens, top_k)), np.zeros((num_tokens, top_k), np.int64)
+    for t in range(num_tokens):
+        scores = _sigmoid(logits[t].astype(np.float64))
+        choice = scores + bias
+        group_score = [np.sort(choice[g * group_width:(g + 1) * group_width])[-2:].sum() for g in range(n_group)]
+        kept = np.argsort(group_score)[::-1][:topk_group]
+        allowed = np.concatenate([np.arange(g * group_width, (g + 1) * group_width) for g in kept])
+        best = allowed[np.argsort(choice[allowed])[::-1][:top_k]]
+        w = scores[best]
+        weights[t], ids[t] = (w / w.sum() if norm else w) * scale, best
+    return weights, ids
+
+
+def _softmax_topk_oracle(logits, top_k, norm):
+    z = np.exp(logits - logits.max(axis=1, keepdims=True))
+    probs = z / z.sum(axis=1, keepdims=True)
+    ids = np.argsort(-probs, axis=1)[:, :top_k]
+    weights = np.take_along_axis(probs, ids, axis=1)
+    return (weights / weights.sum(axis=1, keepdims=True) if norm else weights), ids
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_route_grouped_sigmoid_matches_numpy_oracle(norm):
+    rng = np.random.default_rng(0)
+    # continuous random logits and bias: ties between experts or groups have probability zero
+    logits = rng.normal(size=(64, 256)).astype(np.float32) * 2
+    bias = rng.normal(size=256).astype(np.float32) * 0.1
+    weights, ids = route_grouped_sigmoid(jnp.asarray(logits), jnp.asarray(bias), top_k=8, n_group=8, topk_group=4,
+                                         routed_scaling_factor=2.5, norm_topk_prob=norm)
+    want_weights, want_ids = _grouped_sigmoid_oracle(logits, bias.astype(np.float64), 8, 8, 4, 2.5, norm)
+    np.testing.assert_array_equal(np.asarray(ids), want_ids)
+    np.testing.assert_allclose(np.asarray(weights), want_weights, rtol=1e-5, atol=1e-6)
+
+
+def test_route_softmax_topk_matches_numpy_oracle():
+    logits = np.random.default_rng(1).normal(size=(64, 128)).astype(np.float32) * 3
+    for norm in (True, False):
+        weights, ids = route_softmax_topk(jnp.asarray(logits), top_k=8, norm_topk_prob=norm)
+        want_weights, want_ids = _softmax_topk_oracle(logits.astype(np.float64), 8, norm)
+        np.testing.assert_array_equal(np.asarray(ids), want_ids)
+        np.testing.assert_allclose(np.asarray(weights), want_weights, rtol=1e-5, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------------------------- expert oracles
+
+def _numpy_experts(x, ids, weights, w_gate_up, w_down):
+    """Per (token, choice) loop in float64: the independent check of moe_experts_reference."""
+    inter = w_gate_up.shape[2] // 2
+    out = np.zeros((x.shape[0], w_down.shape[2]))
+    for t in range(x.shape[0]):
+        for c in range(ids.shape[1]):
+            gate_up = x[t] @ w_gate_up[ids[t, c]]
+            act = gate_up[:inter] * _sigmoid(gate_up[:inter]) * gate_up[inter:]
+            out[t] += weights[t, c] * (act @ w_down[ids[t, c]])
+    return out
+
+
+def test_reference_matches_per_token_loop():
+    rng = np.random.default_rng(2)
+    x, ids, weights, w_gate_up, w_down = _case_arrays(rng, 11, 3, 6, "random")
+    out = moe_experts_reference(jnp.asarray(x), jnp.asarray(ids), jnp.asarray(weights), jnp.asarray(w_gate_up),
+                                jnp.asarray(w_down))
+    want = _numpy_experts(x, ids, weights, w_gate_up, w_down)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+# ---------------------------------------------------------------------------------------------- kernel sweep
+
+def _routing(rng, num_tokens, top_k, num_experts, pattern):
+    if pattern == "random":  # distinct experts per token, ragged group sizes
+        return np.argsort(rng.random((num_tokens, num_experts)), axis=1)[:, :top_k]
+    if pattern == "subset":  # only experts 2, 5, 11 (of 16) are used: the rest are empty
+        used = np.array([2, 5, 11])
+        return np.stack([rng.choice(used, top_k, replace=False) for _ in range(num_tokens)])
+    if pattern == "one_expert":  # every token on expert E-2: one group spanning several row tiles
+        return np.full((num_tokens, top_k), num_experts - 2)
+    raise ValueError(pattern)
+
+
+def _case_arrays(rng, num_tokens, top_k, num_experts, pattern):
+    x = rng.normal(size=(num_tokens, HIDDEN)).astype(np.float32)
+    ids = _routing(rng, num_tokens, top_k, num_experts, pattern).astype(np.int32)
+    weights = rng.uniform(0.1, 1.0, size=(num_tokens, top_k)).astype(np.float32)
+    w_gate_up = (rng.normal(size=(num_experts, HIDDEN, 2 * INTER)) / np.sqrt(HIDDEN)).astype(np.float32)
+    w_down = (rng.normal(size=(num_experts, INTER, HIDDEN)) / np.sqrt(INTER)).astype(np.float32)
+    return x, ids, weights, w_gate_up, w_down
+
+
+def _as_weight(w, mode, dtype):
+    return jnp.asarray(w, dtype) if mode is None else quantize(jnp.asarray(w), mode)
+
+
+def _tolerance(dtype):
+    """(rtol, atol as a multiple of rms(ref)) for the kernel against the float32 reference on the same weights.
+
+    float32: only the summation order differs (a few ulps over K <= 128 terms). bf16: the kernel rounds the
+    SwiGLU output, each expert's output row and the result to bf16 (unit roundoff 2^-8 each) and the reference
+    rounds its result once: four roundings, 2^-6 of the magnitude. Rows of opposite sign can cancel, hence the
+    atol term at the scale of a typical output. Dequantization is exact in both, so quantized weights and
+    fp8 activations (quantized identically in both) add nothing.
+    """
+    return (1e-4, 1e-4) if dtype == jnp.float32 else (2.0**-6, 2.0**-6)
+
+
+CASES = {
+    # name: (tokens, top_k, experts, routing, x dtype, weight mode, fp8 activations, tiles)
+    "ragged_f32": (37, 4, 8, "random", jnp.float32, None, False, SMALL_TILES),
+    "ragged_bf16": (37, 4, 8, "random", jnp.bfloat16, None, False, SMALL_TILES),
+    "empty_experts_bf16": (29, 2, 16, "subset", jnp.bfloat16, None, False, SMALL_TILES),
+    "one_expert_f32": (40, 1, 8, "one_expert", jnp.float32, None, False, SMALL_TILES),
+    "one_token_f32": (1, 4, 8, "random", jnp.float32, None, False, SMALL_TILES),
+    "block_m32_bf16": (53, 4, 8, "random", jnp.bfloat16, None, False,
+                       MoeTiles(32, gate_up=GemmTiles(16, 64, 4, 3), down=GemmTiles(64, 16, 4, 3))),
+    "default_tiles_bf16": (37, 4, 8, "random", jnp.bfloat16, None, False, None),
+    "int8_bf16": (37, 4, 8, "random", jnp.bfloat16, "int8", False, SMALL_TILES),
+    "int8_f32_empty_experts": (29, 2, 16, "subset", jnp.float32, "int8", False, SMALL_TILES),
+    "fp8_bf16": (37, 4, 8, "random", jnp.bfloat16, "fp8", False, SMALL_TILES),
+    "fp8_f32_one_expert": (40, 1, 8, "one_expert", jnp.float32, "fp8", False, SMALL_TILES),
+    "fp8_activations_bf16": (37, 4, 8, "random", jnp.bfloat16, "fp8", True, SMALL_TILES),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_pallas_matches_reference(name):
+    num_tokens, top_k, num_experts, pattern, dtype, mode, fp8_activations, tiles = CASES[name]
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    x, ids, weights, w_gate_up, w_down = _case_arrays(rng, num_tokens, top_k, num_experts, pattern)
+    args = (jnp.asarray(x, dtype), jnp.asarray(ids), jnp.asarray(weights),
+            _as_weight(w_gate_up, mode, dtype), _as_weight(w_down, mode, dtype))
+
+    run = jax.jit(lambda *a: moe_experts(*a, impl="pallas", interpret=INTERPRET, fp8_activations=fp8_activations,
+                                         tiles=tiles))
+    out = np.asarray(run(*args), np.float32)
+    ref = np.asarray(moe_experts_reference(*args, fp8_activations=fp8_activations), np.float32)
+
+    assert out.shape == (num_tokens, HIDDEN) and not np.isnan(out).any()
+    rtol, atol = _tolerance(dtype)
+    np.testing.assert_allclose(out, ref, rtol=rtol, atol=atol * np.sqrt(np.mean(ref**2)))
+
+
+@pytest.mark.parametrize("pattern", ["random", "subset", "one_expert", "tile_plus_one"])
+def test_grouping_visits_only_filled_tiles(pattern):
+    rng = np.random.default_rng(3)
+    num_experts, block_m = 16, 16
+    if pattern == "tile_plus_one":  # the worst case for padding: every expert holds block_m + 1 rows
+        ids = np.repeat(np.arange(num_experts), block_m + 1)[rng.permutation(num_experts * (block_m + 1))]
+        ids = ids.reshape(-1, 1)
+    else:
+        ids = _routing(rng, 45, 2 if pattern == "subset" else 3, num_experts, pattern)
+    groups = jax.tree.map(np.asarray, _group_by_expert(jnp.asarray(ids, jnp.int32), num_experts, block_m))
+
+    sizes = np.bincount(ids.ravel(), minlength=num_experts)
+    filled_tiles = int(np.sum(-(-sizes // block_m)))
+    assert filled_tiles <= len(groups.tile_expert) == _num_row_tiles(ids.size, num_experts, block_m)
+    # exactly the filled tiles are visited, in expert order, each expert once per tile it fills
+    np.testing.assert_array_equal(groups.tile_expert[:filled_tiles], np.repeat(np.arange(num_experts),
+                                                                               -(-sizes // block_m)))
+    assert (groups.tile_expert[filled_tiles:] == -1).all()
+    # every assignment has its own row, inside a tile of its expert, and that row reads its token
+    rows = groups.assignment_row.ravel()
+    assert len(np.unique(rows)) == ids.size
+    np.testing.assert_array_equal(groups.tile_expert[rows // block_m], ids.ravel())
+    np.testing.assert_array_equal(groups.row_token[rows], np.arange(ids.size) // ids.shape[1])
+
+
+def test_rejects_bad_shapes_and_fp8_activations_without_fp8_weights():
+    rng = np.random.default_rng(4)
+    x, ids, weights, w_gate_up, w_down = (jnp.asarray(a) for a in _case_arrays(rng, 5, 2, 4, "random"))
+    with pytest.raises(ValueError, match="w_down"):
+        moe_experts(x, ids, weights, w_gate_up, w_down[:, :-1], impl="reference")
+    with pytest.raises(ValueError, match="fp8_activations"):
+        moe_experts(x, ids, weights, quantize(w_gate_up, "int8"), quantize(w_down, "int8"), impl="pallas",
+                    interpret=True, fp8_activations=True)
+
+
+# ---------------------------------------------------------------------------------------------- CUDA lowering
+
+def _weight_struct(shape, mode):
+    if mode == "bf16":
+        return jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    values = jax.ShapeDtypeStruct(shape, jnp.int8 if mode == "int8" else jnp.float8_e4m3fn)
+    return QuantizedWeight(values, jax.ShapeDtypeStruct((shape[0], shape[2]), jnp.float32))
+
+
+@pytest.mark.parametrize("num_tokens", [32, 2048, 8192])
+def test_full_size_layer_lowers_to_triton_for_cuda(num_tokens):
+    """LLaDA2.0-mini expert shapes, every weight format: Pallas -> Triton IR must succeed (no GPU needed)."""
+    experts, hidden, inter, top_k = 256, 2048, 512, 8
+    mesh = AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu",
+                                                               num_cores=132))
+    for mode, fp8_activations in (("bf16", False), ("int8", False), ("fp8", False), ("fp8", True)):
+        run = jax.jit(functools.partial(moe_experts, impl="pallas", fp8_activations=fp8_activations))
+        args = (jax.ShapeDtypeStruct((num_tokens, hidden), jnp.bfloat16),
+                jax.ShapeDtypeStruct((num_tokens, top_k), jnp.int32),
+                jax.ShapeDtypeStruct((num_tokens, top_k), jnp.float32),
+                _weight_struct((experts, hidden, 2 * inter), mode), _weight_struct((experts, inter, hidden), mode))
+        with jax.sharding.use_abstract_mesh(mesh):
+            text = run.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("__gpu$xla.gpu.triton") == 2, (mode, fp8_activations)
+
+
+# ---------------------------------------------------------------------------------------------- GPU only
+
+@gpu
+@requires_gpu
+@pytest.mark.parametrize("mode", [None, "int8", "fp8"])
+@pytest.mark.parametrize("num_tokens", [32, 512])
+def test_full_size_layer_on_gpu(mode, num_tokens):
+    """LLaDA2.0-mini layer with its real router and the default tiles, compiled for the GPU."""
+    experts, hidden, inter = 256, 2048, 512
+    keys = jax.random.split(jax.random.key(num_tokens), 5)
+    x = jax.random.normal(keys[0], (num_tokens, hidden), jnp.bfloat16)
+    logits = jax.random.normal(keys[1], (num_tokens, experts), jnp.float32)
+    weights, ids = route_grouped_sigmoid(logits, jnp.zeros(experts), top_k=8, n_group=8, topk_group=4,
+                                         routed_scaling_factor=2.5, norm_topk_prob=True)
+    w_gate_up = (jax.random.normal(keys[2], (experts, hidden, 2 * inter)) / np.sqrt(hidden)).astype(jnp.bfloat16)
+    w_down = (jax.random.normal(keys[3], (experts, inter, hidden)) / np.sqrt(inter)).astype(jnp.bfloat16)
+    if mode is not None:
+        w_gate_up, w_down = quantize(w_gate_up, mode), quantize(w_down, mode)
+
+    out = np.asarray(jax.jit(lambda *a: moe_experts(*a, impl="pallas"))(x, ids, weights, w_gate_up, w_down),
+                     np.float32)
+    ref = np.asarray(moe_experts_reference(x, ids, weights, w_gate_up, w_down), np.float32)
+    rtol, atol = _tolerance(jnp.bfloat16)
+    np.testing.assert_allclose(out, ref, rtol=rtol, atol=atol * np.sqrt(np.mean(ref**2)))
