@@ -119,8 +119,8 @@ def _unflatten(flat: dict[str, object]) -> dict:
 
 
 def load_weights(model_dir: pathlib.Path, abstract_model: nnx.Module, weight_map: dict[str, Tensor],
-                 ignored_keys: tuple[str, ...] = (), transform=None) -> nnx.Module:
-    """Fill an abstract (eval_shape) model from the checkpoint. transform(path, array) may re-encode (quantize)."""
+                 ignored_keys: tuple[str, ...] = ()) -> nnx.Module:
+    """Fill an abstract (eval_shape) model from the checkpoint."""
     graphdef, state = nnx.split(abstract_model)
     params = _flat_params(state)
     if set(params) != set(weight_map):
@@ -131,7 +131,7 @@ def load_weights(model_dir: pathlib.Path, abstract_model: nnx.Module, weight_map
     for path, spec in weight_map.items():
         struct = params[path]
         array = _assemble(path, spec, reader, struct.shape, np.dtype(struct.dtype))
-        loaded[path] = transform(path, array) if transform else jnp.asarray(array)
+        loaded[path] = jnp.asarray(array)
         used |= _used_keys(spec)
     unexpected = sorted(reader.keys() - used - set(ignored_keys))
     if unexpected:

@@ -149,12 +149,15 @@ def _fit_block(dim, preferred):
 
 
 def default_tiles(num_assignments, num_experts, hidden, inter):
-    """Tiles by the mean rows per expert: small tiles stream weights at decode sizes, large ones feed tensor cores."""
+    """Tiles by the mean rows per expert: small tiles stream weights at decode sizes, large ones feed tensor cores.
+
+    Picked from the H200 sweep in tools/bench_moe.py (LLaDA2.0-mini shapes, JAX 0.11.2).
+    """
     rows_per_expert = num_assignments / num_experts
-    if rows_per_expert <= 16:  # memory-bound: one 16-row tile per touched expert
-        block_m, gate_up, down = 16, GemmTiles(64, 128, 4, 4), GemmTiles(128, 64, 4, 4)
+    if rows_per_expert <= 16:  # memory-bound: one 16-row tile per touched expert, wide weight tiles
+        block_m, gate_up, down = 16, GemmTiles(128, 128, 4, 3), GemmTiles(256, 64, 4, 3)
     elif rows_per_expert <= 96:
-        block_m, gate_up, down = 64, GemmTiles(64, 64, 4, 4), GemmTiles(128, 64, 4, 4)
+        block_m, gate_up, down = 64, GemmTiles(128, 64, 8, 3), GemmTiles(128, 64, 4, 3)
     else:  # compute-bound
         block_m, gate_up, down = 128, GemmTiles(64, 64, 8, 3), GemmTiles(128, 64, 8, 3)
     return MoeTiles(
@@ -215,7 +218,9 @@ def _dot(lhs, rhs):
     """f32-accumulated tile product; a weight tile of another dtype (int8, e4m3) is up-cast to the lhs dtype."""
     if rhs.dtype != lhs.dtype:
         rhs = rhs.astype(lhs.dtype)
-    return jnp.dot(lhs, rhs, preferred_element_type=jnp.float32)
+    # Triton multiplies f32 tiles in TF32 unless asked for HIGHEST (IEEE f32); bf16 and fp8 tiles keep the default
+    precision = lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else None
+    return jnp.dot(lhs, rhs, preferred_element_type=jnp.float32, precision=precision)
 
 
 def _gate_up_kernel(tile_expert_ref, row_token_ref, x_ref, x_scale_ref, w_ref, w_scale_ref, act_ref, *,

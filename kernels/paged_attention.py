@@ -156,7 +156,7 @@ def _choose_tiling(q, page_size, page_table_width, num_kv_heads, overrides):
     num_splits = max(1, min(-(-_TARGET_PROGRAMS // programs), max_keys // _MIN_SPLIT_KEYS))
     tiling = _Tiling(q_tile=q_tile, group=group, key_tile=key_tile,
                      window_key_tile=min(key_tile, max(16, _next_pow2(window))), num_splits=num_splits,
-                     num_warps=8 if q_tile * group >= 128 else 4, num_stages=2)
+                     num_warps=8 if q_tile * group >= 128 else 4, num_stages=3 if row_bytes <= 256 else 2)
     return dataclasses.replace(tiling, **(overrides or {}))
 
 
@@ -173,7 +173,10 @@ def _key_ranges(context_len, window_len, first_query, *, tiling, block_size, sli
 
 
 def _split_range(num_committed, num_window, split, *, tiling):
-    """This split's share of the concatenated [committed ++ window] keys: (committed offset, count, window ...)."""
+    """This split's share of the keys [committed ++ window], in key_tile-aligned chunks.
+
+    Returns (offset into the committed range, committed count, offset into the window range, window count).
+    """
     total = num_committed + num_window
     chunk = pl.cdiv(pl.cdiv(total, tiling.num_splits), tiling.key_tile) * tiling.key_tile
     begin = split * chunk
@@ -186,7 +189,9 @@ def _split_range(num_committed, num_window, split, *, tiling):
 def _online_softmax_step(carry, q, k, v, visible, *, sm_scale, logit_soft_cap):
     """Fold one key tile into the running (acc [M, D], row max [M], row sum [M]), all float32."""
     acc, row_max, row_sum = carry
-    scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * sm_scale
+    # HIGHEST keeps f32 inputs in IEEE f32 (Triton's default would be TF32); bf16 dots are unaffected
+    dot = functools.partial(jax.lax.dot_general, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    scores = dot(q, k, (((1,), (1,)), ((), ()))) * sm_scale
     if logit_soft_cap is not None:
         scores = logit_soft_cap * jnp.tanh(scores / logit_soft_cap)
     # -inf on hidden keys with a finite running max: hidden keys add exp(-inf) = 0 and never a NaN
@@ -195,7 +200,7 @@ def _online_softmax_step(carry, q, k, v, visible, *, sm_scale, logit_soft_cap):
     rescale = jnp.exp(row_max - new_max)
     probs = jnp.exp(scores - new_max[:, None])
     row_sum = row_sum * rescale + probs.sum(axis=1)
-    pv = jax.lax.dot_general(probs.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    pv = dot(probs.astype(v.dtype), v, (((1,), (0,)), ((), ())))
     return acc * rescale[:, None] + pv, new_max, row_sum
 
 
@@ -225,18 +230,36 @@ def _paged_attention_kernel(layer_ref, page_table_ref, context_lens_ref, window_
                                                                        tiling=tiling)
     step = functools.partial(_online_softmax_step, sm_scale=sm_scale, logit_soft_cap=logit_soft_cap)
 
+    def committed_positions(t):  # [TK] absolute positions of committed tile t, and which of them exist
+        offset = t * tiling.key_tile + jax.lax.iota(jnp.int32, tiling.key_tile)
+        return c_lo + begin + offset, offset < committed_count
+
+    def load_page_ids(t):
+        pos, _ = committed_positions(t)
+        return page_table_ref[b, jnp.minimum(pos // page_size, page_table_width - 1)]
+
+    def pool_rows(t, page_ids):
+        pos, _ = committed_positions(t)
+        return jnp.minimum(jnp.maximum(page_ids, 0) * page_size + pos % page_size, num_pool_rows - 1)
+
+    def load_committed_kv(t, rows):
+        mask = committed_positions(t)[1][:, None]
+        k = pltriton.load(k_pages_ref.at[layer, kv_head, rows[:, None], cols], mask=mask, other=0.0)
+        v = pltriton.load(v_pages_ref.at[layer, kv_head, rows[:, None], cols], mask=mask, other=0.0)
+        return k, v
+
     def committed_tile(t, carry):
-        offset = t * tiling.key_tile + jax.lax.iota(jnp.int32, tiling.key_tile)  # [TK]
-        pos = c_lo + begin + offset
-        valid = offset < committed_count
-        page = page_table_ref[b, jnp.minimum(pos // page_size, page_table_width - 1)]
-        row = jnp.minimum(jnp.maximum(page, 0) * page_size + pos % page_size, num_pool_rows - 1)
-        k = pltriton.load(k_pages_ref.at[layer, kv_head, row[:, None], cols], mask=valid[:, None], other=0.0)
-        v = pltriton.load(v_pages_ref.at[layer, kv_head, row[:, None], cols], mask=valid[:, None], other=0.0)
+        # Software pipeline, as Triton does not pipeline these indirect loads: K/V of tile t arrived during the
+        # previous step; issue tile t+1's K/V and tile t+2's page ids now, use them after this tile's matmuls.
+        softmax_state, (k, v), next_rows = carry[:3], carry[3:5], carry[5]
+        next_kv = load_committed_kv(t + 1, next_rows)
+        later_page_ids = load_page_ids(t + 2)
+        pos, valid = committed_positions(t)
         visible = valid[None, :]
         if sliding_window is not None:
             visible = visible & (context_len + query_idx - pos[None, :] < sliding_window)
-        return step(carry, q, k.astype(dtype), v.astype(dtype), visible)
+        softmax_state = step(softmax_state, q, k.astype(dtype), v.astype(dtype), visible)
+        return (*softmax_state, *next_kv, pool_rows(t + 2, later_page_ids))
 
     def window_tile(t, carry):
         offset = t * tiling.window_key_tile + jax.lax.iota(jnp.int32, tiling.window_key_tile)  # [TKW]
@@ -250,11 +273,13 @@ def _paged_attention_kernel(layer_ref, page_table_ref, context_lens_ref, window_
             visible = visible & (query_idx - key_idx[None, :] < sliding_window)
         return step(carry, q, k.astype(dtype), v.astype(dtype), visible)
 
-    carry = (jnp.zeros((num_rows, head_dim), jnp.float32), jnp.full((num_rows,), MASK_VALUE, jnp.float32),
-             jnp.zeros((num_rows,), jnp.float32))
+    softmax_state = (jnp.zeros((num_rows, head_dim), jnp.float32),
+                     jnp.full((num_rows,), MASK_VALUE, jnp.float32), jnp.zeros((num_rows,), jnp.float32))
+    first_kv = load_committed_kv(0, pool_rows(0, load_page_ids(0)))
+    carry = (*softmax_state, *first_kv, pool_rows(1, load_page_ids(1)))
     carry = jax.lax.fori_loop(0, pl.cdiv(committed_count, tiling.key_tile), committed_tile, carry)
-    carry = jax.lax.fori_loop(0, pl.cdiv(window_count, tiling.window_key_tile), window_tile, carry)
-    acc, row_max, row_sum = carry
+    softmax_state = jax.lax.fori_loop(0, pl.cdiv(window_count, tiling.window_key_tile), window_tile, carry[:3])
+    acc, row_max, row_sum = softmax_state
     seen = row_sum > 0  # a row that saw no key (padded slot, empty split) yields zeros
     out = acc / jnp.where(seen, row_sum, 1.0)[:, None]
     out_ref[...] = out.reshape(out_ref.shape).astype(out_ref.dtype)
@@ -266,7 +291,8 @@ def _paged_attention_kernel(layer_ref, page_table_ref, context_lens_ref, window_
 def _combine_splits(partial_out, partial_lse):
     """[N, B, Q, K, G, D] normalised partials + [N, B, Q, K, G] log-sum-exps -> [B, Q, K, G, D] float32."""
     weights = jnp.exp(partial_lse - partial_lse.max(axis=0))  # empty splits carry MASK_VALUE -> weight 0 (or all 1)
-    return jnp.einsum("nbqkg,nbqkgd->bqkgd", weights, partial_out) / weights.sum(axis=0)[..., None]
+    # an elementwise sum, not an einsum: XLA would lower a contraction over N to a batched GEMM
+    return (weights[..., None] * partial_out).sum(axis=0) / weights.sum(axis=0)[..., None]
 
 
 def _paged_attention_pallas(q, k, v, k_pages, v_pages, layer, page_table, context_lens, window_lens, *,
@@ -285,30 +311,26 @@ def _paged_attention_pallas(q, k, v, k_pages, v_pages, layer, page_table, contex
     if (padded_window, tiling.group) != (window, group):
         q5 = jnp.pad(q5, ((0, 0), (0, padded_window - window), (0, 0), (0, tiling.group - group), (0, 0)))
     pool_shape = (num_layers, num_kv_heads, num_pages * page_size, head_dim)  # pages flattened to rows: free
-    out_block = (tiling.q_tile, tiling.group, head_dim)
-    out_dims = (padded_window, num_kv_heads, tiling.group, head_dim)
-    whole = pl.BlockSpec(memory_space=pl.ANY)
+    out_dims = (padded_window, num_kv_heads, tiling.group)
+    tile = (pl.squeezed, tiling.q_tile, pl.squeezed, tiling.group, head_dim)  # one [TQ, Gp, D] tile of [B, Q, K, G, D]
     if tiling.num_splits == 1:
-        out_shape = [jax.ShapeDtypeStruct((batch, *out_dims), q.dtype)]
-        out_specs = [pl.BlockSpec((pl.squeezed, tiling.q_tile, pl.squeezed, tiling.group, head_dim),
-                                  lambda t, s, h, b: (b, t, h, 0, 0))]
-    else:
-        out_shape = [jax.ShapeDtypeStruct((tiling.num_splits, batch, *out_dims), jnp.float32),
-                     jax.ShapeDtypeStruct((tiling.num_splits, batch, *out_dims[:-1]), jnp.float32)]
-        out_specs = [pl.BlockSpec((pl.squeezed, pl.squeezed, *out_block[:1], pl.squeezed, *out_block[1:]),
-                                  lambda t, s, h, b: (s, b, t, h, 0, 0)),
-                     pl.BlockSpec((pl.squeezed, pl.squeezed, tiling.q_tile, pl.squeezed, tiling.group),
-                                  lambda t, s, h, b: (s, b, t, h, 0))]
+        out_shape = [jax.ShapeDtypeStruct((batch, *out_dims, head_dim), q.dtype)]
+        out_specs = [pl.BlockSpec(tile, lambda t, s, h, b: (b, t, h, 0, 0))]
+    else:  # float32 partials per split, merged by _combine_splits
+        out_shape = [jax.ShapeDtypeStruct((tiling.num_splits, batch, *out_dims, head_dim), jnp.float32),
+                     jax.ShapeDtypeStruct((tiling.num_splits, batch, *out_dims), jnp.float32)]
+        out_specs = [pl.BlockSpec((pl.squeezed, *tile), lambda t, s, h, b: (s, b, t, h, 0, 0)),
+                     pl.BlockSpec((pl.squeezed, *tile[:-1]), lambda t, s, h, b: (s, b, t, h, 0))]
     kernel = functools.partial(_paged_attention_kernel, tiling=tiling, block_size=block_size, page_size=page_size,
-                               sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap)
+                               sm_scale=float(sm_scale), sliding_window=sliding_window,
+                               logit_soft_cap=None if logit_soft_cap is None else float(logit_soft_cap))
     outs = pl.pallas_call(
         kernel,
         out_shape=out_shape,
         grid=(num_q_tiles, tiling.num_splits, num_kv_heads, batch),  # query tiles sharing K/V launch together
-        in_specs=[whole, whole, whole, whole,
-                  pl.BlockSpec((pl.squeezed, tiling.q_tile, pl.squeezed, tiling.group, head_dim),
-                               lambda t, s, h, b: (b, t, h, 0, 0)),
-                  whole, whole, whole, whole],
+        # raw refs for everything indexed in-kernel (no scalar prefetch on GPU): pages are gathered row by row
+        in_specs=[*[pl.BlockSpec(memory_space=pl.ANY)] * 4, pl.BlockSpec(tile, lambda t, s, h, b: (b, t, h, 0, 0)),
+                  *[pl.BlockSpec(memory_space=pl.ANY)] * 4],
         out_specs=out_specs,
         compiler_params=pltriton.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
         interpret=interpret,

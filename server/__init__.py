@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server (Sanic): `jaxllm serve --model DIR`, or create_app for embedding."""

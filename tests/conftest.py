@@ -1,20 +1,30 @@
 """Shared fixtures: tiny random checkpoints in the real HF formats, made once per test session."""
 
 import pytest
+from safetensors.numpy import load_file, save_file
 
 from tools.make_checkpoint import make_checkpoint
 
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
-    """checkpoints(arch, dtype="f32", **overrides) -> a tiny checkpoint directory, cached per arguments."""
+    """checkpoints(arch, dtype="f32", lm_head_scale=1, **overrides) -> a tiny checkpoint directory, cached.
+
+    lm_head_scale > 1 makes the random model confident: its top token leads by a margin far above float noise, so
+    greedy outputs do not hinge on near-ties (useful wherever two runs must agree token for token).
+    """
     made = {}
 
-    def get(arch: str, dtype: str = "f32", **overrides):
-        key = (arch, dtype, tuple(sorted(overrides.items())))
+    def get(arch: str, dtype: str = "f32", lm_head_scale: float = 1, **overrides):
+        key = (arch, dtype, lm_head_scale, tuple(sorted(overrides.items())))
         if key not in made:
             out = tmp_path_factory.mktemp(f"{arch}_{dtype}")
-            made[key] = make_checkpoint(out, arch, size="tiny", dtype=dtype, seed=len(made), **overrides)
+            path = make_checkpoint(out, arch, size="tiny", dtype=dtype, seed=len(made), num_shards=1, **overrides)
+            if lm_head_scale != 1:
+                weights = load_file(path / "model.safetensors")
+                weights["lm_head.weight"] = weights["lm_head.weight"] * lm_head_scale
+                save_file(weights, path / "model.safetensors")
+            made[key] = path
         return made[key]
 
     return get

@@ -75,7 +75,8 @@ def test_matmul_equals_product_with_dequantized_weight(mode, dtype):
     rng = np.random.default_rng(4)
     x = jnp.asarray(rng.normal(size=(2, 5, 96)), dtype)
     q = quantize(jnp.asarray(_random_weight(5, shape=(96, 40))), mode)
-    out = matmul(x, q)
+    with jax.default_matmul_precision("highest"):  # GPUs default f32 dots to TF32
+        out = matmul(x, q)
     want = np.asarray(x, np.float64) @ np.asarray(dequantize(q), np.float64)
     assert out.shape == (2, 5, 40) and out.dtype == dtype
     # f32: summation order only. bf16: the result is rounded once to bf16 (2^-8 relative).
@@ -86,7 +87,9 @@ def test_matmul_equals_product_with_dequantized_weight(mode, dtype):
 def test_matmul_plain_weight_and_shape_check():
     rng = np.random.default_rng(6)
     x, w = rng.normal(size=(7, 32)).astype(np.float32), rng.normal(size=(32, 8)).astype(np.float32)
-    np.testing.assert_allclose(np.asarray(matmul(jnp.asarray(x), jnp.asarray(w))), x @ w, rtol=1e-5, atol=1e-5)
+    with jax.default_matmul_precision("highest"):
+        out = matmul(jnp.asarray(x), jnp.asarray(w))
+    np.testing.assert_allclose(np.asarray(out), x @ w, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="K, N"):
         matmul(jnp.asarray(x), quantize(jnp.ones((2, 32, 8)), "int8"))
 
@@ -98,6 +101,7 @@ def test_layer_error_of_quantized_weights_is_small_and_ordered():
     w_up = jnp.asarray(rng.normal(size=(256, 128)) / 16, jnp.float32)
     w_down = jnp.asarray(rng.normal(size=(128, 256)) / 11, jnp.float32)
 
+    @jax.default_matmul_precision("highest")
     def layer(up, down):
         return matmul(jax.nn.silu(matmul(x, up)), down)
 

@@ -292,7 +292,7 @@ def _write_json(path: Path, content: dict) -> None:
 
 
 def make_checkpoint(out_dir, arch: str, size: str = "tiny", dtype: str = "f32", seed: int = 0,
-                    num_shards: int | None = 1, **config_overrides) -> Path:
+                    num_shards: int | None = 1, with_weights: bool = True, **config_overrides) -> Path:
     """Write a random-weight HF checkpoint for `arch` ("sdar" or "llada2") and return its directory.
 
     Args:
@@ -301,6 +301,7 @@ def make_checkpoint(out_dir, arch: str, size: str = "tiny", dtype: str = "f32", 
         dtype: "bf16" or "f32" for every tensor except LLaDA2's float32 router expert_bias.
         seed: the same seed, arch, size, dtype and overrides give byte-identical files.
         num_shards: number of safetensors files; None picks ~4.5 GiB per shard.
+        with_weights: False writes config and tokenizer only, for engines that make random weights on the device.
         config_overrides: replace config.json fields (e.g. num_hidden_layers=2); tensor shapes follow them.
     """
     config = build_config(arch, size, dtype, **config_overrides)
@@ -308,10 +309,11 @@ def make_checkpoint(out_dir, arch: str, size: str = "tiny", dtype: str = "f32", 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     _remove_old_weights(out_dir)
-    _write_weights(out_dir, shapes, DTYPES[dtype][0], seed, num_shards)
+    if with_weights:
+        _write_weights(out_dir, shapes, DTYPES[dtype][0], seed, num_shards)
     _write_json(out_dir / "config.json", config)
     _write_json(out_dir / "generation_config.json", _generation_config(config))
-    for tokenizer_file in sorted(TOKENIZER_DIR.glob("*.json")):
+    for tokenizer_file in sorted(TOKENIZER_DIR.glob("tokenizer*.json")):
         shutil.copy(tokenizer_file, out_dir / tokenizer_file.name)
     return out_dir
 

@@ -23,7 +23,7 @@ from transformers import AutoTokenizer
 from jaxllm.config import DTYPES, ConfigError, DecodingConfig, EngineConfig
 from jaxllm.decoding import max_steps_per_block
 from jaxllm.engine.page_manager import PageManager
-from jaxllm.engine.request import Request, RequestOutput, RequestStatus
+from jaxllm.engine.request import Request, RequestOutput
 from jaxllm.engine.runner import ModelRunner, StepSpec, powers_of_two
 from jaxllm.engine.scheduler import DecodeBatch, PrefillBatch, Scheduler, SchedulerConfig
 from jaxllm.models import load_model, model_config
@@ -56,13 +56,20 @@ class QueueFull(RuntimeError):
 
 
 class _CompileGuard:
-    """Counts XLA compilations after warm-up; raises on one when strict (tests), logs it otherwise."""
+    """Counts XLA compilations after warm-up; raises on one when strict (tests), logs it otherwise.
+
+    Compilation events are process-wide, so there is one guard: the engine that warmed up last arms it, and
+    building another engine disarms it (that engine compiles legitimately until its own warm-up).
+    """
 
     def __init__(self):
         self.armed = False
         self.strict = False
         self.count = 0
         jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def arm(self, strict: bool) -> None:
+        self.armed, self.strict, self.count = True, strict, 0
 
     def _on_event(self, event: str, duration: float, **_) -> None:
         if event != _COMPILE_EVENT or not self.armed:
@@ -73,9 +80,13 @@ class _CompileGuard:
             raise CompilationAfterWarmup(f"an XLA compilation ({duration:.2f}s) happened after warm-up")
 
 
+_compile_guard = _CompileGuard()
+
+
 class LLMEngine:
     def __init__(self, model_dir: str | pathlib.Path, engine_config: EngineConfig = EngineConfig(),
                  decoding_config: DecodingConfig = DecodingConfig(), *, random_weights: bool = False):
+        _compile_guard.armed = False
         self.config, self.decoding = engine_config, decoding_config
         if engine_config.compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", engine_config.compilation_cache_dir)
@@ -91,7 +102,8 @@ class LLMEngine:
         if self.page_size % self.block_size:
             raise ConfigError(f"page_size ({self.page_size}) must be a multiple of block_size ({self.block_size})")
         self.max_model_len = self._resolve_max_model_len()
-        model = load_model(model_dir, self.model_config, engine_config.dtype, random_init=random_weights)
+        model = load_model(model_dir, self.model_config, engine_config.dtype, random_init=random_weights,
+                           quantization=engine_config.quantization)
         num_pages = engine_config.num_pages or self._pages_that_fit()
         self.runner = self._make_runner(model, num_pages)
         self.scheduler = Scheduler(self._scheduler_config(), PageManager(num_pages, self.page_size))
@@ -100,8 +112,9 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._seeds = np.random.default_rng(engine_config.seed)
-        self._guard = _CompileGuard()
         self.num_steps = 0
+        self.num_forwards = 0  # denoising forwards (each runs the whole decode batch)
+        self.decode_time = 0.0  # seconds spent in decode rounds
         self.last_forward_time = 0.0
 
     # set-up
@@ -158,25 +171,29 @@ class LLMEngine:
             num_real_tokens=min(len(self.tokenizer), cfg.vocab_size),
             max_steps=self.config.max_steps_per_round or max_steps_per_block(self.decoding, self.block_size))
         max_pages = -(-self.max_model_len // self.page_size)
-        chunk_tokens = max(self.config.max_num_batched_tokens // self.block_size * self.block_size, self.block_size)
+        # a chunk never exceeds the context; chunks below 16 tokens would only add compilations
+        chunk_limit = max(min(self.config.max_num_batched_tokens, self.max_model_len), self.block_size)
+        smallest_chunk = self.block_size * max(1, 16 // self.block_size)
+        chunk_buckets = [c for c in powers_of_two(smallest_chunk, chunk_limit) if c <= chunk_limit] or [self.block_size]
         return ModelRunner(
             model, kv, spec, batch_buckets=powers_of_two(1, self.config.max_num_seqs),
             width_buckets=powers_of_two(min(8, max_pages), max_pages),
-            chunk_buckets=powers_of_two(self.block_size, chunk_tokens), max_num_batched_tokens=chunk_tokens)
+            chunk_buckets=chunk_buckets, max_num_batched_tokens=chunk_buckets[-1])
 
     def _scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(
             block_size=self.block_size, page_size=self.page_size, buffer_size=self.decoding.buffer_size,
             max_num_seqs=self.config.max_num_seqs, max_model_len=self.max_model_len,
             max_num_batched_tokens=self.runner.max_num_batched_tokens, mask_token_id=self.mask_token_id,
-            eos_token_ids=self.eos_token_ids, enable_prefix_caching=self.config.enable_prefix_caching)
+            eos_token_ids=self.eos_token_ids, prefill_shapes=tuple(self.runner.prefill_shapes()),
+            enable_prefix_caching=self.config.enable_prefix_caching)
 
     def warmup(self, *, strict: bool = False) -> dict[str, float]:
         """Compile every bucket now (progress bar, seconds per bucket); later compilations log, or raise if strict."""
         timings = self.runner.warmup(lambda shapes: tqdm(shapes, desc="compiling buckets", unit="bucket"))
         for name, seconds in timings.items():
             logger.info("compiled %s in %.2fs", name, seconds)
-        self._guard.armed, self._guard.strict = True, strict
+        _compile_guard.arm(strict)
         return timings
 
     # requests
@@ -257,17 +274,17 @@ class LLMEngine:
         if isinstance(batch, PrefillBatch):
             self.runner.run_prefill(batch)
             self.scheduler.postprocess_prefill(batch)
-            for request in batch.requests:
-                if request.status is RequestStatus.DECODING and request.stats.prefill_done_time is None:
-                    request.stats.prefill_done_time = time.perf_counter()
             return outputs
         return outputs + self._decode(batch)
 
     def _decode(self, batch: DecodeBatch) -> list[RequestOutput]:
+        jax.block_until_ready(self.runner.kv)  # a prefill still running is not decode time
         start = time.perf_counter()
         results = self.runner.run_decode(batch)
         elapsed = time.perf_counter() - start
         self.last_forward_time = elapsed / max(results[0].num_forwards, 1)
+        self.decode_time += elapsed
+        self.num_forwards += results[0].num_forwards
         committed = self.scheduler.postprocess_decode(batch, results)
         outputs = []
         for request in batch.requests:
@@ -323,4 +340,4 @@ class LLMEngine:
 
     @property
     def compilations_after_warmup(self) -> int:
-        return self._guard.count
+        return _compile_guard.count

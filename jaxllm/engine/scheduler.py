@@ -8,6 +8,7 @@ output, with the same block alignment, so its output does not change.
 
 import collections
 import dataclasses
+import time
 
 import numpy as np
 
@@ -25,7 +26,12 @@ class SchedulerConfig:
     max_num_batched_tokens: int  # prompt tokens per prefill step
     mask_token_id: int
     eos_token_ids: tuple[int, ...]
+    prefill_shapes: tuple[tuple[int, int], ...]  # compiled (batch, chunk) shapes a prefill step must fit
     enable_prefix_caching: bool = True
+
+    def max_chunk(self, num_requests: int) -> int:
+        """The longest chunk a prefill step of num_requests can pad to (0: none fits)."""
+        return max((chunk for batch, chunk in self.prefill_shapes if batch >= num_requests), default=0)
 
 
 @dataclasses.dataclass
@@ -109,8 +115,11 @@ class Scheduler:
         batch = PrefillBatch([], [])
         budget = self.cfg.max_num_batched_tokens
         for request in requests:
+            longest = self.cfg.max_chunk(len(batch.requests) + 1)
+            if max(batch.chunk_lens, default=0) > longest:
+                break
             remaining = request.prefill_target(self.cfg.block_size) - request.context_len
-            chunk = min(remaining, budget) // self.cfg.block_size * self.cfg.block_size
+            chunk = min(remaining, budget, longest) // self.cfg.block_size * self.cfg.block_size
             if chunk == 0 or not self._ensure_pages(request, request.context_len + chunk):
                 break
             batch.requests.append(request)
@@ -171,6 +180,7 @@ class Scheduler:
         tail = request.all_token_ids[target:]  # the prompt tail shares the first block, fixed
         request.window = Window.start(tail, self.cfg.buffer_size, self.cfg.block_size, self.cfg.mask_token_id)
         request.status = RequestStatus.DECODING
+        request.stats.prefill_done_time = request.stats.prefill_done_time or time.perf_counter()
 
     def postprocess_decode(self, batch: DecodeBatch, results: list[DecodeResult]) -> dict[str, list[int]]:
         """Commit finished blocks; returns the new output tokens of each request that committed any."""

@@ -33,10 +33,14 @@ def abstract_model(cfg: ModelConfig, dtype: str) -> nnx.Module:
 
 
 def load_model(model_dir: pathlib.Path, cfg: ModelConfig, dtype: str, *, random_init: bool = False,
-               transform=None) -> nnx.Module:
+               quantization: str | None = None) -> nnx.Module:
     """The model with the checkpoint's weights (or random ones made on the device, for benchmarks)."""
     module, _ = _architecture(cfg.model_type)
+    if quantization and not hasattr(module, "quantize_weights"):
+        raise ConfigError(f"quantization={quantization!r} is supported for MoE models; {cfg.model_type!r} is dense")
     abstract = abstract_model(cfg, dtype)
     if random_init:
-        return random_weights(abstract)
-    return load_weights(model_dir, abstract, module.hf_weight_map(cfg), module.IGNORED_KEYS, transform)
+        model = random_weights(abstract)
+    else:
+        model = load_weights(model_dir, abstract, module.hf_weight_map(cfg), module.IGNORED_KEYS)
+    return module.quantize_weights(model, quantization) if quantization else model

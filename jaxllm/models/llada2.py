@@ -6,6 +6,7 @@ top-k, top-k weights normalised and scaled by routed_scaling_factor, plus shared
 in-place logits.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -13,6 +14,7 @@ from flax import nnx
 from jaxllm.config import ModelConfig, MoEConfig, eos_ids, hf_field, rope_field
 from jaxllm.kernels.moe import moe_experts, route_grouped_sigmoid
 from jaxllm.loader import Tensor, transpose, unchanged
+from jaxllm.quantization import quantize
 from jaxllm.models.layers import MLP, AttentionMetadata, DecoderLayer, Embedding, KVCache, Linear, RMSNorm, \
     normal_init, scan_layers, stacked
 
@@ -77,7 +79,7 @@ class SparseMoE(nnx.Module):
             self.gate(flat.astype(jnp.float32)), self.expert_bias[...], top_k=self.moe.num_experts_per_tok,
             n_group=self.moe.n_group, topk_group=self.moe.topk_group,
             routed_scaling_factor=self.moe.routed_scaling_factor, norm_topk_prob=self.moe.norm_topk_prob)
-        out = moe_experts(flat, expert_ids, weights, self.experts_gate_up[...], self.experts_down[...])
+        out = moe_experts(flat, expert_ids, weights, self.experts_gate_up.get_value(), self.experts_down.get_value())
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         return out.reshape(shape)
@@ -109,6 +111,15 @@ class LLaDA2(nnx.Module):
     def logits(self, hidden):  # f32[..., V]
         head = self.embed.attend(hidden) if self.cfg.tie_word_embeddings else self.lm_head(hidden)
         return head.astype(jnp.float32)
+
+
+def quantize_weights(model: LLaDA2, mode: str) -> LLaDA2:
+    """Quantize the routed experts (nearly all of the weight bytes) to int8 or fp8, one layer at a time."""
+    quantize_stack = jax.jit(lambda w: jax.lax.map(lambda layer: quantize(layer, mode), w))
+    mlp = model.moe_layers.mlp
+    for param in (mlp.experts_gate_up, mlp.experts_down):
+        param.set_value(quantize_stack(param.get_value()))
+    return model
 
 
 def _gate_up(gate, up):  # HF [I, E] each -> [E, 2I], gate first

@@ -250,9 +250,9 @@ def test_full_size_layer_lowers_to_triton_for_cuda(num_tokens):
 @gpu
 @requires_gpu
 @pytest.mark.parametrize("mode", [None, "int8", "fp8"])
-@pytest.mark.parametrize("num_tokens", [32, 512])
+@pytest.mark.parametrize("num_tokens", [32, 2048, 8192])
 def test_full_size_layer_on_gpu(mode, num_tokens):
-    """LLaDA2.0-mini layer with its real router and the default tiles, compiled for the GPU."""
+    """LLaDA2.0-mini layer with its real router and the default tiles (one token count per tiling regime)."""
     experts, hidden, inter = 256, 2048, 512
     keys = jax.random.split(jax.random.key(num_tokens), 5)
     x = jax.random.normal(keys[0], (num_tokens, hidden), jnp.bfloat16)

@@ -1,0 +1,167 @@
+"""The engine thread: it builds and warms the LLMEngine, then steps it while there is work.
+
+Only this thread calls engine.step(). Handlers on the event loop submit requests (engine.add_request is thread-safe)
+and read their outputs from an asyncio queue that this thread feeds with loop.call_soon_threadsafe, so no handler
+ever polls. Closing a submission that has not finished aborts its engine requests, which frees their pages at the
+next step.
+"""
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable
+
+from jaxllm.server.metrics import ServerMetrics
+from jaxllm.server.protocol import APIError
+
+from jaxllm.engine.engine import LLMEngine, QueueFull
+from jaxllm.engine.request import RequestOutput
+from jaxllm.sampling import SamplingParams
+
+logger = logging.getLogger("jaxllm.server")
+
+IDLE_WAIT_S = 0.5  # an idle engine thread wakes this often to notice a shutdown
+
+
+class EngineFailed(RuntimeError):
+    """The engine thread died; the requests it was serving cannot finish."""
+
+
+class Submission:
+    """One HTTP request's engine requests (one per choice), read as per-choice updates."""
+
+    def __init__(self, request_ids: list[str]):
+        self.request_ids = request_ids
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.unfinished = set(request_ids)
+        self._choice_of = {request_id: i for i, request_id in enumerate(request_ids)}
+
+    async def next_updates(self, timeout: float | None = None) -> dict[int, RequestOutput]:
+        """Wait for output and return everything pending, merged per choice; {} when timeout passes first.
+
+        Merging concatenates the new text and tokens of a choice's pending outputs, so a slow reader gets one
+        update per choice per wake-up instead of a growing backlog.
+        """
+        try:
+            first = await asyncio.wait_for(self.queue.get(), timeout)
+        except TimeoutError:
+            return {}
+        pending = [first] + [self.queue.get_nowait() for _ in range(self.queue.qsize())]
+        updates: dict[int, RequestOutput] = {}
+        for output in pending:
+            if isinstance(output, BaseException):
+                raise output
+            choice = self._choice_of[output.request_id]
+            if choice in updates:
+                earlier = updates[choice]
+                output.new_text = earlier.new_text + output.new_text
+                output.new_token_ids = earlier.new_token_ids + output.new_token_ids
+            updates[choice] = output
+            if output.finished:
+                self.unfinished.discard(output.request_id)
+        return updates
+
+
+class EngineLoop:
+    def __init__(self, build_engine: Callable[[], LLMEngine], metrics: ServerMetrics):
+        self._build_engine = build_engine
+        self._metrics = metrics
+        self.engine: LLMEngine | None = None
+        self.ready = False
+        self.failure: BaseException | None = None
+        self._routes: dict[str, Submission] = {}  # touched on the event loop thread only
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # the engine thread
+
+    def start(self, loop: asyncio.AbstractEventLoop, on_failure: Callable[[], None]) -> None:
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, args=(on_failure,), name="jaxllm-engine", daemon=True)
+        self._thread.start()
+
+    def _run(self, on_failure: Callable[[], None]) -> None:
+        try:
+            engine = self._build_engine()
+            engine.warmup(strict=False)
+        except Exception as error:  # whatever it is, the server must stop rather than answer 503 forever
+            logger.exception("the engine failed to start")
+            self.failure = error
+            self._loop.call_soon_threadsafe(on_failure)
+            return
+        self.engine, self.ready = engine, True
+        logger.info("engine ready: max_model_len %d, %d KV pages", engine.max_model_len,
+                    engine.scheduler.pages.num_pages)
+        try:
+            self._serve(engine)
+        except Exception as error:  # fail the waiting handlers instead of leaving them hanging
+            logger.exception("the engine loop failed")
+            self.ready, self.failure = False, error
+            self._loop.call_soon_threadsafe(self._fail_all, EngineFailed(f"the engine failed: {error}"))
+
+    def _serve(self, engine: LLMEngine) -> None:
+        metrics = self._metrics
+        last_forward_time = engine.last_forward_time
+        while not self._stopping.is_set():
+            if not engine.has_unfinished_requests():
+                engine.wait_for_work(IDLE_WAIT_S)
+                continue
+            outputs = engine.step()
+            metrics.observe_outputs(outputs)
+            if engine.last_forward_time != last_forward_time:  # this step ran a decode round
+                last_forward_time = engine.last_forward_time
+                metrics.observe_forward_time(last_forward_time)
+            if outputs:
+                self._loop.call_soon_threadsafe(self._route, outputs)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * IDLE_WAIT_S)
+
+    # the event loop thread
+
+    def _route(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            submission = self._routes.get(output.request_id)
+            if submission is not None:
+                submission.queue.put_nowait(output)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for submission in set(self._routes.values()):
+            submission.queue.put_nowait(error)
+
+    def submit(self, prompts: list[list[int]], params: list[SamplingParams], request_ids: list[str]) -> Submission:
+        """Add one engine request per (prompt, params, id); all or none are added. Raises APIError."""
+        if not self.ready:
+            raise not_ready_error(self.failure)
+        submission = Submission(request_ids)
+        try:
+            for prompt, sampling, request_id in zip(prompts, params, request_ids):
+                self._routes[request_id] = submission
+                self.engine.add_request(prompt, sampling, request_id)
+        except QueueFull as error:
+            self.close(submission)
+            raise APIError(429, f"The request queue is full: {error}.", type="rate_limit_error",
+                           code="queue_full") from None
+        except ValueError as error:
+            self.close(submission)
+            message = str(error)
+            code = "context_length_exceeded" if message.startswith("This model's maximum context length") else None
+            raise APIError(400, message, param="prompt" if code else None, code=code) from None
+        return submission
+
+    def close(self, submission: Submission) -> None:
+        """Forget the submission; abort what it added that has not finished (a no-op for ids never added)."""
+        for request_id in submission.request_ids:
+            if self._routes.pop(request_id, None) is not None and request_id in submission.unfinished:
+                self.engine.abort_request(request_id)
+
+
+def not_ready_error(failure: BaseException | None) -> APIError:
+    if failure is not None:
+        return APIError(503, f"the engine is not running: {failure}", type="service_unavailable",
+                        code="engine_failed")
+    return APIError(503, "the model is still loading and compiling; retry when GET /health returns 200",
+                    type="service_unavailable", code="not_ready")

@@ -1,0 +1,147 @@
+"""POST /v1/completions and /v1/chat/completions: validate, tokenize, submit, then answer in full or as SSE.
+
+A stream sends one chunk per choice per committed block (merged when the reader falls behind), exactly one chunk
+per choice with a finish_reason (it also carries that choice's `metrics`), then the usage chunk when asked, then
+`data: [DONE]`. While nothing is committed (queued, prefilling) it sends `: ping` comments, so Sanic's
+RESPONSE_TIMEOUT, which counts from the last write, never cuts it. Whatever ends the handler (a finish, a client
+disconnect that cancels it, an error), `finally` closes the submission, which aborts unfinished engine requests.
+"""
+
+import dataclasses
+
+import jinja2
+from jaxllm.server.engine_loop import EngineFailed, EngineLoop, Submission
+from jaxllm.server.protocol import (
+    APIError,
+    GenerationRequest,
+    SamplingDefaults,
+    invalid,
+    parse_chat_request,
+    parse_completion_request,
+    parse_json,
+)
+from jaxllm.server.responses import ResponseHeader, chunk, full_response, request_metrics, sse_event, usage_chunk
+from sanic import Request, response
+
+from jaxllm.engine.engine import LLMEngine
+from jaxllm.engine.request import RequestOutput
+
+DEFAULT_SSE_KEEPALIVE_S = 5.0
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingState:
+    """What the handlers need from the app: app.ctx.serving."""
+
+    engine_loop: EngineLoop
+    model_name: str
+    sampling_defaults: SamplingDefaults
+    sse_keepalive_s: float = DEFAULT_SSE_KEEPALIVE_S  # silence after which a stream gets a `: ping` comment
+
+
+@dataclasses.dataclass
+class Job:
+    """A validated request, tokenized: choice i samples prompt i // n with seed + i % n."""
+
+    header: ResponseHeader
+    request: GenerationRequest
+    prompt_ids: list[list[int]]
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompt_ids) * self.request.n
+
+    @property
+    def prompt_lens(self) -> list[int]:
+        return [len(ids) for ids in self.prompt_ids]
+
+
+def _tokenize(engine: LLMEngine, request: GenerationRequest) -> list[list[int]]:
+    if request.messages is None:
+        return [engine.tokenize(prompt) for prompt in request.prompts]
+    try:
+        return [engine.apply_chat_template(request.messages)]
+    except jinja2.TemplateError as error:
+        raise invalid("messages", f"the chat template rejected the messages: {error}") from None
+
+
+def _prepare(state: ServingState, raw_body: bytes, chat: bool) -> Job:
+    engine = state.engine_loop.engine
+    parse = parse_chat_request if chat else parse_completion_request
+    request = parse(parse_json(raw_body), state.model_name, state.sampling_defaults, engine.model_config.vocab_size)
+    return Job(ResponseHeader.new(chat, request.stream, state.model_name), request, _tokenize(engine, request))
+
+
+def _submit(engine_loop: EngineLoop, job: Job) -> Submission:
+    n, prompts, params = job.request.n, [], []
+    for ids in job.prompt_ids:
+        max_tokens = job.request.max_tokens or max(engine_loop.engine.max_model_len - len(ids), 1)
+        for sample in range(n):
+            prompts.append(ids)
+            params.append(_sampling_params(job.request, sample, max_tokens))
+    request_ids = [f"{job.header.id}-{i}" for i in range(job.num_choices)]
+    return engine_loop.submit(prompts, params, request_ids)
+
+
+def _sampling_params(request: GenerationRequest, sample: int, max_tokens: int):
+    try:
+        return request.sampling_params(sample, max_tokens)
+    except ValueError as error:
+        raise APIError(400, str(error), code="invalid_value") from None
+
+
+async def handle_generation(request: Request, chat: bool):
+    state: ServingState = request.app.ctx.serving
+    job = _prepare(state, request.body, chat)
+    submission = _submit(state.engine_loop, job)
+    try:
+        if job.request.stream:
+            await _stream(request, job, submission, state.sse_keepalive_s)
+            return None
+        finals = await _collect(submission, job.num_choices)
+        return response.json(full_response(job.header, job.prompt_lens, finals))
+    finally:
+        state.engine_loop.close(submission)
+
+
+async def _collect(submission: Submission, num_choices: int) -> list[RequestOutput]:
+    finals: dict[int, RequestOutput] = {}
+    while submission.unfinished:
+        for index, output in (await submission.next_updates()).items():
+            if output.finished:
+                finals[index] = output
+    return [finals[i] for i in range(num_choices)]
+
+
+async def _stream(request: Request, job: Job, submission: Submission, keepalive_s: float) -> None:
+    stream = await request.respond(content_type="text/event-stream; charset=utf-8", headers=SSE_HEADERS)
+    chat = job.header.object == "chat.completion.chunk"
+    if chat:
+        for index in range(job.num_choices):
+            await stream.send(sse_event(chunk(job.header, index, "", role="assistant")))
+    finals: dict[int, RequestOutput] = {}
+    try:
+        while submission.unfinished:
+            updates = await submission.next_updates(keepalive_s)
+            if not updates:
+                await stream.send(": ping\n\n")
+            for index, output in sorted(updates.items()):
+                if output.finished:
+                    finals[index] = output
+                if output.new_text or output.finished:
+                    await stream.send(sse_event(_update_chunk(job.header, index, output, chat)))
+        if job.request.include_usage:
+            ordered = [finals[i] for i in range(job.num_choices)]
+            await stream.send(sse_event(usage_chunk(job.header, job.prompt_lens, ordered)))
+    except EngineFailed as error:
+        await stream.send(sse_event(APIError(500, str(error), type="server_error", code="engine_failed").body()))
+    await stream.send(sse_event("[DONE]"))
+
+
+def _update_chunk(header: ResponseHeader, index: int, output: RequestOutput, chat: bool) -> dict:
+    text = output.new_text or (None if chat else "")
+    body = chunk(header, index, text, output.finish_reason if output.finished else None)
+    if output.finished:
+        body["metrics"] = request_metrics([output])
+    return body

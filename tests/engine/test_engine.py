@@ -1,0 +1,150 @@
+"""The engine end to end on a tiny confident checkpoint: batching, determinism, preemption, prefix cache, aborts,
+compile-free serving after warm-up, stops and strategies."""
+
+import numpy as np
+import pytest
+
+from jaxllm import LLM, SamplingParams
+from jaxllm.engine.engine import CompilationAfterWarmup
+
+# 16 pages of 4 tokens: one request at a time always fits, four long ones at once do not (preemption)
+OPTIONS = dict(dtype="float32", block_size=4, max_num_seqs=4, max_model_len=64, num_pages=16)
+PROMPTS = [[5, 6, 7], list(range(100, 111)), [42] * 6, list(range(300, 317))]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(checkpoints):
+    return checkpoints("sdar", lm_head_scale=60)
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint):
+    return LLM(checkpoint, decoding_strategy="threshold", threshold=0.6, **OPTIONS)
+
+
+def token_ids(outputs):
+    return [o.token_ids for o in outputs]
+
+
+def test_seeded_sampling_is_the_same_alone_or_in_any_batch(llm):
+    params = SamplingParams(max_tokens=12, temperature=0.9, top_k=50, top_p=0.9, seed=7)
+    alone = llm.generate([PROMPTS[1]], params)[0].token_ids
+    batched = llm.generate(PROMPTS, params)
+    assert batched[1].token_ids == alone
+    assert batched[0].token_ids != alone  # the other prompts are not copies of it
+    other_seed = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=12, temperature=0.9, seed=8))[0].token_ids
+    assert other_seed != alone
+
+
+def test_greedy_output_does_not_depend_on_batch_or_page_size(checkpoint, llm):
+    params = SamplingParams(max_tokens=10)
+    reference = [llm.generate([p], params)[0].token_ids for p in PROMPTS]
+    assert token_ids(llm.generate(PROMPTS, params)) == reference
+    big_pages = LLM(checkpoint, decoding_strategy="threshold", threshold=0.6, page_size=8, **OPTIONS)
+    assert token_ids(big_pages.generate(PROMPTS, params)) == reference
+
+
+def test_preempted_requests_give_the_same_output(llm):
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    alone = [llm.generate([p], params)[0] for p in PROMPTS]
+    assert not any(o.stats["preemptions"] for o in alone)
+    together = llm.generate(PROMPTS, params)
+    assert sum(o.stats["preemptions"] for o in together) > 0
+    assert token_ids(together) == token_ids(alone)
+    assert llm.engine.kv_cache_usage == 0.0
+
+
+def test_a_repeated_prompt_reuses_cached_pages_and_gives_the_same_output(llm):
+    prompt = list(range(500, 521))
+    first = llm.generate([prompt], SamplingParams(max_tokens=8))[0]
+    second = llm.generate([prompt], SamplingParams(max_tokens=8))[0]
+    assert second.stats["cached_tokens"] == 20  # five full pages of the 21-token prompt
+    assert second.token_ids == first.token_ids
+    assert llm.engine.scheduler.pages.prefix_hit_rate > 0
+
+
+def test_abort_finishes_the_request_and_frees_its_pages(llm):
+    engine = llm.engine
+    request_id = engine.add_request(PROMPTS[3], SamplingParams(max_tokens=40, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.kv_cache_usage > 0
+    engine.abort_request(request_id)
+    outputs = engine.step()
+    assert [(o.request_id, o.finish_reason) for o in outputs if o.finished] == [(request_id, "abort")]
+    assert engine.kv_cache_usage == 0.0 and not engine.has_unfinished_requests()
+
+
+def test_a_request_joins_a_running_batch_at_the_next_step(llm):
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    solo = [llm.generate([p], params)[0].token_ids for p in PROMPTS[:2]]
+    engine = llm.engine
+    first = engine.add_request(PROMPTS[0], params)
+    engine.step()
+    engine.step()  # first is decoding now
+    second = engine.add_request(PROMPTS[1], params)
+    finished, second_started_while_first_ran = {}, False
+    while len(finished) < 2:
+        for output in engine.step():
+            if output.request_id == second and first not in finished:
+                second_started_while_first_ran = True
+            if output.finished:
+                finished[output.request_id] = output.token_ids
+    assert second_started_while_first_ran
+    assert [finished[first], finished[second]] == solo
+
+
+def test_nothing_compiles_after_warmup_and_an_unbucketed_shape_fails_loudly(checkpoint):
+    llm = LLM(checkpoint, decoding_strategy="threshold", threshold=0.6, dtype="float32", block_size=4,
+              max_num_seqs=2, max_model_len=32)
+    timings = llm.engine.warmup(strict=True)
+    assert len(timings) == len(llm.engine.runner.prefill_shapes()) + len(llm.engine.runner.decode_shapes())
+    rng = np.random.default_rng(0)
+    for batch in (1, 2, 3):
+        prompts = [rng.integers(10, 8000, int(n)).tolist() for n in rng.integers(1, 20, batch)]
+        llm.generate(prompts, SamplingParams(max_tokens=int(rng.integers(1, 12))))
+    assert llm.engine.compilations_after_warmup == 0
+    llm.engine.runner.batch_buckets = [3]  # a bucket warm-up never compiled
+    with pytest.raises(CompilationAfterWarmup):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4))
+
+
+def test_stop_string_trims_the_text(llm):
+    full = llm.generate([PROMPTS[2]], SamplingParams(max_tokens=16, ignore_eos=True))[0]
+    stop = full.text[len(full.text) // 2:][:3]
+    assert stop.strip(), full.text
+    stopped = llm.generate([PROMPTS[2]], SamplingParams(max_tokens=16, ignore_eos=True, stop=[stop]))[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == full.text[:full.text.index(stop)]
+
+
+def test_a_stop_token_ends_the_output_after_it(llm):
+    full = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids
+    stopped = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=[full[5]]))[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == full[:full.index(full[5]) + 1]
+
+
+def test_max_tokens_ends_with_length(llm):
+    output = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=7, ignore_eos=True))[0]
+    assert output.finish_reason == "length" and len(output.token_ids) == 7
+    assert output.stats["forward_passes"] > 0 and output.stats["tokens_per_forward"] > 0
+
+
+def test_a_prompt_over_the_context_is_rejected_with_the_openai_message(llm):
+    with pytest.raises(ValueError, match="This model's maximum context length is 64 tokens"):
+        llm.generate([[5] * 60], SamplingParams(max_tokens=8))
+
+
+@pytest.mark.parametrize("options", [
+    dict(decoding_strategy="joint_threshold", threshold=0.5, editing_threshold=0.0, max_post_steps=4),
+    dict(decoding_strategy="threshold", threshold=0.6, buffer_size=3, add_block_threshold=0.2,
+         semi_complete_threshold=0.8),
+    dict(decoding_strategy="fixed_steps", denoising_steps=2, buffer_size=2, add_block_threshold=0.5),
+])
+def test_every_strategy_generates_to_the_end(checkpoint, options):
+    llm = LLM(checkpoint, **OPTIONS, **options)
+    outputs = llm.generate(PROMPTS[:3], SamplingParams(max_tokens=14, ignore_eos=True))
+    assert [len(o.token_ids) for o in outputs] == [14, 14, 14]
+    assert all(1 not in o.token_ids for o in outputs)  # the mask id never leaks
+    assert llm.engine.kv_cache_usage == 0.0

@@ -1,0 +1,164 @@
+"""The scheduler on the host alone: admission, prefill chunks, windows, commits, stops, preemption."""
+
+import numpy as np
+import pytest
+
+from jaxllm.engine.page_manager import PageManager
+from jaxllm.engine.request import Request, RequestStatus
+from jaxllm.engine.scheduler import DecodeBatch, DecodeResult, PrefillBatch, Scheduler, SchedulerConfig
+from jaxllm.sampling import SamplingParams
+
+MASK, EOS = 1, 0
+
+
+def make_scheduler(num_pages=32, block_size=4, page_size=4, buffer_size=1, max_num_seqs=4, max_tokens_per_step=8,
+                   caching=True):
+    cfg = SchedulerConfig(block_size=block_size, page_size=page_size, buffer_size=buffer_size,
+                          max_num_seqs=max_num_seqs, max_model_len=64, max_num_batched_tokens=max_tokens_per_step,
+                          mask_token_id=MASK, eos_token_ids=(EOS,), enable_prefix_caching=caching,
+                          prefill_shapes=((1, max_tokens_per_step), (2, max_tokens_per_step // 2),
+                                          (4, max_tokens_per_step // 4)))
+    return Scheduler(cfg, PageManager(num_pages, page_size))
+
+
+def request(name, prompt, max_tokens=8, **params):
+    return Request(name, prompt, SamplingParams(max_tokens=max_tokens, **params), seed=0)
+
+
+def finish_prefill(scheduler):
+    while True:
+        batch = scheduler.schedule()
+        if not isinstance(batch, PrefillBatch):
+            return batch
+        scheduler.postprocess_prefill(batch)
+
+
+def complete_front_block(scheduler, batch, tokens_by_request):
+    """Pretend the device filled each request's front block with the given tokens."""
+    results = []
+    for r in batch.requests:
+        tokens = r.window.tokens.copy()
+        free = np.flatnonzero(~r.window.fixed[:4])
+        tokens[free] = tokens_by_request[r.request_id][:len(free)]
+        n = len(r.window.block_steps)
+        results.append(DecodeResult(tokens, 1, np.ones(n, np.int32), np.zeros(n, np.int32), np.zeros(n, np.int32),
+                                    num_complete_blocks=1, num_forwards=3))
+    return scheduler.postprocess_decode(batch, results)
+
+
+def test_prompt_prefills_in_chunks_then_decodes_with_the_tail_fixed():
+    scheduler = make_scheduler()
+    r = request("a", list(range(10, 21)))  # 11 tokens: two full blocks and a tail of 3
+    scheduler.add(r)
+    batch = scheduler.schedule()
+    assert isinstance(batch, PrefillBatch) and batch.chunk_lens == [8]
+    scheduler.postprocess_prefill(batch)
+    assert r.status is RequestStatus.DECODING and r.context_len == 8
+    assert r.window.tokens.tolist() == [18, 19, 20, MASK]
+    assert r.window.fixed.tolist() == [True, True, True, False]
+
+
+def test_committing_a_block_appends_only_generated_tokens_and_slides_the_window():
+    scheduler = make_scheduler()
+    r = request("a", [10, 11, 12, 13, 14, 15])
+    scheduler.add(r)
+    batch = finish_prefill(scheduler)
+    assert isinstance(batch, DecodeBatch)
+    committed = complete_front_block(scheduler, batch, {"a": [50, 51]})
+    assert committed == {"a": [50, 51]}
+    assert r.output_token_ids == [50, 51] and r.context_len == 8
+    assert r.window.tokens.tolist() == [MASK] * 4 and not r.window.fixed.any()
+
+
+def test_eos_finishes_and_frees_pages():
+    scheduler = make_scheduler()
+    r = request("a", [10, 11, 12, 13])
+    scheduler.add(r)
+    batch = finish_prefill(scheduler)
+    complete_front_block(scheduler, batch, {"a": [5, EOS, 7, 8]})
+    assert r.finish_reason == "stop" and r.output_token_ids == [5, EOS]
+    assert scheduler.pages.num_used_pages == 0
+    assert not scheduler.running
+
+
+def test_ignore_eos_runs_to_max_tokens():
+    scheduler = make_scheduler()
+    r = request("a", [10, 11, 12, 13], max_tokens=6, ignore_eos=True)
+    scheduler.add(r)
+    for tokens in ([EOS, EOS, 3, 4], [5, 6, 7, 8]):
+        batch = finish_prefill(scheduler)
+        complete_front_block(scheduler, batch, {"a": tokens})
+    assert r.finish_reason == "length" and r.output_token_ids == [EOS, EOS, 3, 4, 5, 6]
+
+
+def test_window_never_opens_past_max_tokens():
+    scheduler = make_scheduler(buffer_size=3)
+    r = request("a", [10, 11, 12, 13], max_tokens=5)
+    scheduler.add(r)
+    batch = finish_prefill(scheduler)
+    assert batch.max_blocks == [2]  # 5 tokens need two blocks, not three
+
+
+def test_prefix_cache_skips_the_shared_prompt_pages():
+    scheduler = make_scheduler()
+    prompt = list(range(10, 23))  # 13 tokens: 3 full pages
+    first = request("a", prompt)
+    scheduler.add(first)
+    finish_prefill(scheduler)
+    second = request("b", prompt[:12] + [99])
+    scheduler.add(second)
+    scheduler.schedule()
+    assert second.stats.num_cached_tokens == 12
+    assert second.page_ids[:3] == first.page_ids[:3]
+
+
+def test_prefix_cache_off_shares_nothing():
+    scheduler = make_scheduler(caching=False)
+    prompt = list(range(10, 23))
+    for name in "ab":
+        scheduler.add(request(name, prompt))
+    finish_prefill(scheduler)
+    a, b = scheduler.running
+    assert not set(a.page_ids) & set(b.page_ids)
+
+
+def test_preemption_frees_the_newest_request_and_requeues_it_first():
+    scheduler = make_scheduler(num_pages=4, max_tokens_per_step=16)
+    old, new = request("old", [10, 11, 12, 13]), request("new", [20, 21, 22, 23])
+    scheduler.add(old)
+    scheduler.add(new)
+    batch = finish_prefill(scheduler)  # each holds 2 pages: prompt block + window block
+    complete_front_block(scheduler, batch, {"old": [1, 2, 3, 4], "new": [5, 6, 7, 8]})
+    batch = scheduler.schedule()  # both need a third page; only room for one after preempting
+    assert [r.request_id for r in batch.requests] == ["old"]
+    assert new.status is RequestStatus.WAITING and scheduler.waiting[0] is new
+    assert new.page_ids == [] and new.output_token_ids == [5, 6, 7, 8]
+    assert new.prefill_target(4) == 8  # recomputed from prompt + committed output, block-aligned
+
+
+def test_max_num_seqs_bounds_admission():
+    scheduler = make_scheduler(max_num_seqs=2)
+    for name in "abc":
+        scheduler.add(request(name, [10, 11, 12, 13]))
+    scheduler.schedule()
+    assert len(scheduler.running) == 2 and len(scheduler.waiting) == 1
+
+
+def test_a_prefill_step_always_fits_a_compiled_shape():
+    scheduler = make_scheduler(max_tokens_per_step=16)
+    for name, length in zip("abc", (9, 9, 30)):
+        scheduler.add(request(name, list(range(10, 10 + length))))
+    batch = scheduler.schedule()
+    padded_chunk = max(batch.chunk_lens)
+    assert any(b >= len(batch.requests) and c >= padded_chunk for b, c in scheduler.cfg.prefill_shapes)
+    assert batch.chunk_lens == [8, 8]  # two requests can only pad to 8 tokens each
+
+
+@pytest.mark.parametrize("page_size", [4, 8])
+def test_pages_cover_the_window(page_size):
+    scheduler = make_scheduler(page_size=page_size, buffer_size=2)
+    r = request("a", list(range(10, 19)))
+    scheduler.add(r)
+    batch = finish_prefill(scheduler)
+    needed = -(-(r.context_len + batch.max_blocks[0] * 4) // page_size)
+    assert len(r.page_ids) == needed

@@ -1,0 +1,461 @@
+"""The server end to end: a real `python -m jaxllm.server serve` process on a tiny checkpoint, started once for the
+module and driven through the official openai client and raw httpx: OpenAI shapes, SSE invariants, errors, auth,
+disconnects, load, /metrics, and tools/bench_serving.py against it."""
+
+import asyncio
+import dataclasses
+import json
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+from jaxllm.server import cli
+from tokenizers import Tokenizer
+
+API_KEY = "sk-test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+MODEL = "tiny-sdar"
+MAX_MODEL_LEN = 64
+MAX_NUM_SEQS = 4
+# small shapes so warm-up compiles four buckets: batch 1, 2, 4 decode at one page-table width, one prefill chunk
+SERVER_FLAGS = ["--served-model-name", MODEL, "--max-num-seqs", str(MAX_NUM_SEQS), "--max-model-len",
+                str(MAX_MODEL_LEN), "--block-size", "4", "--page-size", "8", "--max-num-batched-tokens", "16",
+                "--dtype", "float32", "--max-waiting-requests", "256", "--sse-keepalive-interval", "0.02",
+                "--api-key", API_KEY, "--log-level", "warning"]
+STARTUP_TIMEOUT_S = 300
+REPO = pathlib.Path(__file__).resolve().parents[2]
+ABORTED = 'jaxllm:request_success_total{finished_reason="abort"}'
+LENGTH = 'jaxllm:request_success_total{finished_reason="length"}'
+KV_USAGE = "jaxllm:kv_cache_usage_perc"
+
+
+@dataclasses.dataclass
+class Server:
+    url: str
+    checkpoint: pathlib.Path
+    first_statuses: tuple[int, int]  # (/health, /v1/models) at the first answer, while the engine was loading
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _wait_until_ready(url: str, process: subprocess.Popen, log_path: pathlib.Path) -> tuple[int, int]:
+    first = None
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode}:\n{log_path.read_text()[-4000:]}")
+        try:
+            health = httpx.get(f"{url}/health", timeout=5).status_code
+        except httpx.TransportError:
+            time.sleep(0.1)
+            continue
+        first = first or (health, httpx.get(f"{url}/v1/models", headers=AUTH, timeout=5).status_code)
+        if health == 200:
+            return first
+        time.sleep(0.1)
+    raise TimeoutError(f"the server was not ready after {STARTUP_TIMEOUT_S}s:\n{log_path.read_text()[-4000:]}")
+
+
+def _stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+@pytest.fixture(scope="module")
+def server(checkpoints, tmp_path_factory):
+    checkpoint = checkpoints("sdar")
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    # shared by every server a test session starts, so only the first one compiles
+    cache = tmp_path_factory.getbasetemp() / "jax_compilation_cache"
+    command = [sys.executable, "-m", "jaxllm.server", "serve", "--model", str(checkpoint), "--host", "127.0.0.1",
+               "--port", str(port), "--compilation-cache-dir", str(cache), *SERVER_FLAGS]
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        yield Server(url, checkpoint, _wait_until_ready(url, process, log_path))
+    finally:
+        _stop(process)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as session:
+        yield session
+
+
+@pytest.fixture(scope="module")
+def tokenizer(server):
+    return Tokenizer.from_file(str(server.checkpoint / "tokenizer.json"))
+
+
+def scrape(url: str) -> dict[str, float]:
+    samples = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def wait_for_idle_pool(url: str, timeout: float = 20.0) -> dict[str, float]:
+    """Scrape until nothing runs or waits and no KV page is in use; fail after timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        samples = scrape(url)
+        idle = (samples["jaxllm:num_requests_running"], samples["jaxllm:num_requests_waiting"], samples[KV_USAGE])
+        if idle == (0, 0, 0) or time.monotonic() > deadline:
+            assert idle == (0, 0, 0), f"running, waiting, KV usage stayed at {idle}"
+            return samples
+        time.sleep(0.05)
+
+
+def sse_events(lines) -> tuple[list, int]:
+    """(data events, JSON-decoded except the final "[DONE]"; number of `: ping` comments)."""
+    events, pings = [], 0
+    for line in lines:
+        if line.startswith(":"):
+            pings += 1
+        elif line.startswith("data: "):
+            payload = line[len("data: "):]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events, pings
+
+
+# readiness, models, auth
+
+
+def test_health_is_503_while_the_engine_loads_and_200_once_warm(server):
+    assert server.first_statuses == (503, 503)
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_models_lists_the_served_model(client):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert models[0].model_extra["max_model_len"] == MAX_MODEL_LEN
+
+
+def test_v1_needs_the_api_key_but_health_and_metrics_do_not(server):
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
+    missing = httpx.post(f"{server.url}/v1/completions", json=body)
+    wrong = httpx.post(f"{server.url}/v1/completions", json=body, headers={"Authorization": "Bearer sk-wrong"})
+    assert missing.status_code == wrong.status_code == 401
+    assert wrong.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/metrics").status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server.url}/v1", api_key="sk-wrong", max_retries=0).models.list()
+
+
+# OpenAI shapes through the official client
+
+
+def test_a_completion_has_the_openai_shape_usage_and_dllm_metrics(client, tokenizer):
+    completion = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=8, temperature=0.8,
+                                           seed=1, extra_body={"ignore_eos": True})
+    assert completion.object == "text_completion" and completion.model == MODEL
+    [choice] = completion.choices
+    assert choice.index == 0 and choice.finish_reason == "length" and choice.text
+    prompt_tokens = len(tokenizer.encode("Hello there", add_special_tokens=False).ids)
+    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (prompt_tokens, 8)
+    assert completion.usage.total_tokens == prompt_tokens + 8
+    metrics = completion.model_extra["metrics"]
+    assert metrics["forward_passes"] >= 1
+    assert metrics["tokens_per_forward"] == round(8 / metrics["forward_passes"], 4)
+    assert 0 <= metrics["time_to_first_token_ms"] <= metrics["e2e_latency_ms"]
+
+
+def test_a_chat_completion_answers_as_the_assistant(client):
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi!"}],
+                                          max_completion_tokens=6, seed=2, extra_body={"ignore_eos": True})
+    assert chat.object == "chat.completion"
+    [choice] = chat.choices
+    assert choice.message.role == "assistant" and choice.message.content and choice.finish_reason == "length"
+    assert chat.usage.completion_tokens == 6
+    assert chat.usage.prompt_tokens > 3  # the chat template wraps the message in role markers
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_streamed_text_equals_the_non_streamed_text_for_the_same_seed(client, endpoint):
+    chat = endpoint == "chat"
+    create = client.chat.completions.create if chat else client.completions.create
+    prompt = {"messages": [{"role": "user", "content": "Tell a story"}]} if chat else {"prompt": "Once upon a time"}
+    request = dict(model=MODEL, max_tokens=14, temperature=1.0, seed=7, extra_body={"ignore_eos": True}, **prompt)
+    full = create(**request)
+    chunks = list(create(**request, stream=True, stream_options={"include_usage": True}))
+    deltas = [(c.choices[0].delta.content or "") if chat else c.choices[0].text for c in chunks if c.choices]
+    assert "".join(deltas) == (full.choices[0].message.content if chat else full.choices[0].text)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].choices == [] and all(c.usage is None for c in chunks[:-1])
+    usage = chunks[-1].usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (full.usage.prompt_tokens, 14)
+    if chat:
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert all(c.choices[0].delta.role is None for c in chunks[1:] if c.choices)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_ends_the_text_before_it_streamed_or_not(http, stream):
+    body = {"model": MODEL, "prompt": "Stop here", "max_tokens": 24, "temperature": 0.0, "ignore_eos": True}
+    free_text = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    stop = free_text[len(free_text) // 2:][:3]
+    expected = free_text[:free_text.index(stop)]
+    request = {**body, "stop": [stop], "stream": stream}
+    if stream:
+        with http.stream("POST", "/v1/completions", json=request) as response:
+            events, _ = sse_events(response.iter_lines())
+        text = "".join(e["choices"][0]["text"] for e in events[:-1])
+        finish_reasons = [e["choices"][0]["finish_reason"] for e in events[:-1] if e["choices"][0]["finish_reason"]]
+    else:
+        choice = http.post("/v1/completions", json=request).json()["choices"][0]
+        text, finish_reasons = choice["text"], [choice["finish_reason"]]
+    assert (text, finish_reasons) == (expected, ["stop"])
+
+
+def test_a_raw_stream_keeps_the_sse_contract_for_every_choice(http):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Go"}], "max_tokens": 10, "n": 3, "seed": 4,
+            "temperature": 1.0, "stream": True, "stream_options": {"include_usage": True}}
+    with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events, _ = sse_events(response.iter_lines())
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    chunks = events[:-1]
+    usage_chunks = [c for c in chunks if "usage" in c]
+    assert len(usage_chunks) == 1 and usage_chunks[0] is chunks[-1] and chunks[-1]["choices"] == []
+    for index in range(3):
+        mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == index]
+        assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+        assert sum(choice["finish_reason"] is not None for choice in mine) == 1
+        assert mine[-1]["finish_reason"] is not None
+    assert usage_chunks[0]["usage"]["completion_tokens"] <= 30
+
+
+def test_n_choices_sample_with_seed_plus_their_index(http):
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 8, "temperature": 1.0, "ignore_eos": True}
+    together = http.post("/v1/completions", json={**body, "seed": 11, "n": 3}).json()
+    alone = [http.post("/v1/completions", json={**body, "seed": 11 + i}).json() for i in range(3)]
+    assert [c["index"] for c in together["choices"]] == [0, 1, 2]
+    texts = [c["text"] for c in together["choices"]]
+    assert texts == [a["choices"][0]["text"] for a in alone]
+    assert len(set(texts)) > 1
+    assert together["usage"]["prompt_tokens"] == alone[0]["usage"]["prompt_tokens"]  # a prompt counts once
+    assert together["usage"]["completion_tokens"] == 24
+
+
+def test_a_prompt_may_be_text_token_ids_or_a_batch_of_either(http, tokenizer):
+    texts = ["The sky is", "A cat"]
+    ids = [tokenizer.encode(t, add_special_tokens=False).ids for t in texts]
+    body = {"model": MODEL, "max_tokens": 6, "temperature": 0.0}
+
+    def answers(prompt, n=1):
+        response = http.post("/v1/completions", json={**body, "prompt": prompt, "n": n}).json()
+        return [c["text"] for c in response["choices"]], response["usage"]["prompt_tokens"]
+
+    single = [answers(t)[0][0] for t in texts]
+    assert answers(ids[0]) == ([single[0]], len(ids[0]))
+    assert answers(texts, n=2) == ([single[0], single[0], single[1], single[1]], len(ids[0]) + len(ids[1]))
+    assert answers(ids) == (single, len(ids[0]) + len(ids[1]))
+
+
+# errors
+
+BAD_REQUESTS = [
+    ("completions", {"prompt": ""}, 400, "invalid_value"),
+    ("completions", {"prompt": []}, 400, "invalid_value"),
+    ("completions", {}, 400, "invalid_value"),
+    ("completions", {"prompt": [1, 10**9]}, 400, "invalid_value"),
+    ("completions", {"prompt": [1, "a"]}, 400, "invalid_value"),
+    ("completions", {"prompt": "x", "max_tokens": 0}, 400, "invalid_value"),
+    ("completions", {"prompt": "x", "max_tokens": "5"}, 400, "invalid_value"),
+    ("completions", {"prompt": "x", "temperature": 2.5}, 400, "invalid_value"),
+    ("completions", {"prompt": "x", "temperature": True}, 400, "invalid_value"),
+    ("completions", {"prompt": "x", "top_p": 0}, 400, "invalid_value"),
+    ("completions", {"prompt": "x", "top_k": 0}, 400, "invalid_value"),
+    ("completions", {"prompt": "x", "seed": 1.5}, 400, "invalid_value"),
+    ("completions", {"prompt": "x", "n": 0}, 400, "invalid_value"),
+    ("completions", {"prompt": "x", "n": 129}, 400, "invalid_value"),
+    ("completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "invalid_value"),
+    ("completions", {"prompt": "x", "stop": [""]}, 400, "invalid_value"),
+    ("completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "invalid_value"),
+    ("completions", {"prompt": "x", "stream": "yes"}, 400, "invalid_value"),
+    ("completions", {"prompt": "x", "logprobs": 1}, 400, "invalid_value"),
+    ("completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "invalid_value"),
+    ("completions", {"prompt": "x", "model": "gpt-4"}, 404, "model_not_found"),
+    ("completions", {"prompt": "x", "max_tokens": 100}, 400, "context_length_exceeded"),
+    ("completions", {"prompt": list(range(10, 80))}, 400, "context_length_exceeded"),
+    ("completions", b"{not json", 400, "json_parse_error"),
+    ("completions", b"[1, 2]", 400, "json_parse_error"),
+    ("completions", b"\xff\xfe", 400, "json_parse_error"),
+    ("chat/completions", {"messages": []}, 400, "invalid_value"),
+    ("chat/completions", {"messages": [{"content": "hi"}]}, 400, "invalid_value"),
+    ("chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "invalid_value"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400, "invalid_value"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, 400,
+     "invalid_value"),
+]
+
+
+@pytest.mark.parametrize(("route", "body", "status", "code"), BAD_REQUESTS)
+def test_a_bad_request_gets_an_openai_error_with_the_right_status(http, route, body, status, code):
+    content = body if isinstance(body, bytes) else json.dumps({"model": MODEL, **body})
+    response = http.post(f"/v1/{route}", content=content, headers={"Content-Type": "application/json"})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == code and error["message"]
+    if code == "context_length_exceeded":
+        assert error["message"].startswith(f"This model's maximum context length is {MAX_MODEL_LEN} tokens.")
+
+
+def test_unknown_routes_and_methods_get_json_errors(http):
+    assert http.get("/v1/nothing-here").status_code == 404
+    wrong_method = http.get("/v1/completions")
+    assert wrong_method.status_code == 405 and "error" in wrong_method.json()
+
+
+def test_a_full_waiting_queue_answers_429_and_leaves_no_pages_behind(server, http):
+    body = {"model": MODEL, "prompt": ["a", "b", "c"], "n": 128, "max_tokens": 4}  # 384 > 256 waiting + 4 running
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 429 and response.json()["error"]["code"] == "queue_full"
+    wait_for_idle_pool(server.url)
+    assert http.post("/v1/completions", json={**body, "prompt": "a", "n": 1}).status_code == 200
+
+
+# disconnects and load
+
+
+def test_a_disconnected_stream_is_aborted_and_its_pages_freed(server):
+    aborted = scrape(server.url)[ABORTED]
+    long_request = {"model": MODEL, "prompt": "x", "max_tokens": 56, "ignore_eos": True}
+
+    async def scenario() -> tuple[int, float]:
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=60) as session:
+            blockers = [asyncio.create_task(session.post("/v1/completions", json=long_request)) for _ in range(4)]
+            while scrape(server.url)["jaxllm:num_requests_running"] < MAX_NUM_SEQS:
+                await asyncio.sleep(0.002)
+            # every slot is taken: this stream waits in the queue, then runs; leave after its first block
+            async with session.stream("POST", "/v1/completions", json={**long_request, "stream": True}) as stream:
+                pings = 0
+                async for line in stream.aiter_lines():
+                    pings += line.startswith(":")
+                    if line.startswith("data: "):
+                        break
+                usage_while_running = scrape(server.url)[KV_USAGE]
+            assert all(r.status_code == 200 for r in await asyncio.gather(*blockers))
+            return pings, usage_while_running
+
+    pings, usage_while_running = asyncio.run(scenario())
+    assert pings >= 1  # keep-alive comments while it was queued
+    assert usage_while_running > 0
+    samples = wait_for_idle_pool(server.url)
+    assert samples[ABORTED] == aborted + 1
+
+
+def test_200_concurrent_requests_are_all_answered_and_the_pool_returns_to_baseline(server):
+    completion = {"model": MODEL, "prompt": "Count:", "max_tokens": 6, "ignore_eos": True, "temperature": 1.0}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "ignore_eos": True}
+
+    async def one(session: httpx.AsyncClient, i: int) -> int:
+        route, body = ("/v1/completions", completion) if i % 2 else ("/v1/chat/completions", chat)
+        if i % 4 < 2:
+            return (await session.post(route, json={**body, "seed": i})).json()["usage"]["completion_tokens"]
+        async with session.stream("POST", route, json={**body, "stream": True,
+                                                       "stream_options": {"include_usage": True}}) as stream:
+            events, _ = sse_events([line async for line in stream.aiter_lines()])
+        assert events[-1] == "[DONE]"
+        return events[-2]["usage"]["completion_tokens"]
+
+    async def burst() -> list[int]:
+        limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=120, limits=limits) as session:
+            return await asyncio.gather(*(one(session, i) for i in range(200)))
+
+    assert asyncio.run(burst()) == [6] * 200
+    wait_for_idle_pool(server.url)
+
+
+# metrics
+
+
+def test_metrics_count_requests_tokens_forwards_and_latencies(server, http):
+    before = scrape(server.url)
+    response = http.post("/v1/completions", json={"model": MODEL, "prompt": "Measure me", "max_tokens": 8,
+                                                  "ignore_eos": True}).json()
+    after = scrape(server.url)
+
+    def change(name: str) -> float:
+        return after[name] - before[name]
+
+    assert change(LENGTH) == 1 and change(ABORTED) == 0
+    assert change("jaxllm:prompt_tokens_total") == response["usage"]["prompt_tokens"]
+    assert change("jaxllm:generation_tokens_total") == 8
+    assert change("jaxllm:request_forward_passes_total") == response["metrics"]["forward_passes"]
+    for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+                      "request_time_per_output_token_seconds"):
+        assert change(f"jaxllm:{histogram}_count") == 1
+    assert change("jaxllm:forward_time_seconds_count") >= 1
+    assert after["jaxllm:prefix_cache_queries_total"] >= after["jaxllm:prefix_cache_hits_total"] >= 0
+
+
+# the benchmark client
+
+
+@pytest.mark.parametrize("load", [["--request-rate", "40"], ["--endpoint", "chat", "--max-concurrency", "3"]])
+def test_bench_serving_reports_latencies_and_throughput(server, tmp_path, load):
+    out = tmp_path / "summary.json"
+    command = [sys.executable, str(REPO / "tools" / "bench_serving.py"), "--base-url", server.url, "--api-key",
+               API_KEY, "--num-prompts", "12", "--random-input-len", "8", "--random-output-len", "8", "--ignore-eos",
+               "--json-out", str(out), *load]
+    subprocess.run(command, check=True, capture_output=True, timeout=120)
+    summary = json.loads(out.read_text())
+    assert (summary["completed"], summary["failed"], summary["total_output_tokens"]) == (12, 0, 96)
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        assert 0 < summary[f"mean_{metric}_ms"] <= summary[f"p99_{metric}_ms"] * 1.0001
+    assert summary["mean_ttft_ms"] < summary["mean_e2el_ms"]
+    assert summary["tokens_per_forward"] > 0 and summary["output_throughput_tok_per_s"] > 0
+    if "--max-concurrency" in load:
+        assert summary["peak_concurrent_requests"] <= 3
+
+
+# the command line
+
+
+def test_serve_rejects_bad_flags_before_loading_anything(server, capsys):
+    for argv in (["serve", "--model", str(server.checkpoint), "--decoding-strategy", "nope"],
+                 ["serve", "--model", str(server.checkpoint), "--block-size", "0"],
+                 ["serve", "--model", str(server.checkpoint / "missing")]):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(argv)
+        assert exit_info.value.code == 2
+    assert "decoding_strategy" in capsys.readouterr().err
+
+
+def test_serve_exits_with_an_error_when_the_model_cannot_load(server, tmp_path):
+    for tokenizer_file in server.checkpoint.glob("tokenizer*.json"):
+        shutil.copy(tokenizer_file, tmp_path)  # a tokenizer but no config.json or weights
+    command = [sys.executable, "-m", "jaxllm.server", "serve", "--model", str(tmp_path), "--host", "127.0.0.1",
+               "--port", str(_free_port())]
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO, check=False)
+    assert finished.returncode == 1
+    assert "the engine failed to start" in finished.stderr

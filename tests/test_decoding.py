@@ -1,0 +1,143 @@
+"""Decoding strategies as pure updates: each knob changes what gets written, and prompts are never touched."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllm.config import ConfigError, DecodingConfig
+from jaxllm.decoding import WindowState, update
+
+M = 1  # mask id
+BLOCK = 4
+
+
+def window(tokens, fixed=None, num_active=1, block_steps=None, post_steps=None):
+    tokens = np.asarray(tokens, np.int32)[None]
+    n = tokens.shape[1] // BLOCK
+    return WindowState(
+        tokens=jnp.asarray(tokens), fixed=jnp.asarray(np.zeros_like(tokens, bool) if fixed is None else [fixed]),
+        num_active_blocks=jnp.array([num_active], jnp.int32),
+        block_steps=jnp.asarray([block_steps or [0] * n], jnp.int32), block_masks=jnp.zeros((1, n), jnp.int32),
+        post_steps=jnp.asarray([post_steps or [0] * n], jnp.int32))
+
+
+def step(state, candidates, confidence, cfg, max_blocks=1):
+    new, complete = update(state, jnp.asarray([candidates], jnp.int32), jnp.asarray([confidence], jnp.float32),
+                           jnp.array([max_blocks], jnp.int32), cfg, block_size=BLOCK, mask_token_id=M)
+    return new, np.asarray(complete[0])
+
+
+def tokens_of(state):
+    return np.asarray(state.tokens[0]).tolist()
+
+
+def test_threshold_commits_every_confident_mask_and_nothing_else():
+    cfg = DecodingConfig("threshold", threshold=0.8)
+    new, _ = step(window([M, M, M, M]), [5, 6, 7, 8], [0.9, 0.5, 0.85, 0.1], cfg)
+    assert tokens_of(new) == [5, M, 7, M]
+
+
+def test_threshold_value_changes_what_is_committed():
+    low, _ = step(window([M, M, M, M]), [5, 6, 7, 8], [0.9, 0.5, 0.85, 0.1], DecodingConfig("threshold", threshold=0.4))
+    assert tokens_of(low) == [5, 6, 7, M]
+
+
+def test_threshold_always_commits_the_most_confident_mask():
+    new, _ = step(window([M, M, M, M]), [5, 6, 7, 8], [0.2, 0.3, 0.1, 0.25], DecodingConfig("threshold", threshold=0.9))
+    assert tokens_of(new) == [M, 6, M, M]
+
+
+def test_prompt_positions_and_filled_tokens_are_never_rewritten():
+    state = window([40, 41, M, 9], fixed=[True, True, False, False])
+    new, _ = step(state, [5, 6, 7, 8], [1.0, 1.0, 1.0, 1.0], DecodingConfig("threshold", threshold=0.5))
+    assert tokens_of(new) == [40, 41, 7, 9]
+
+
+def test_a_block_completes_only_after_a_step_whose_input_had_no_masks():
+    cfg = DecodingConfig("threshold", threshold=0.5)
+    new, complete = step(window([3, M, 4, 5]), [3, 6, 4, 5], [0.9] * 4, cfg)
+    assert tokens_of(new) == [3, 6, 4, 5] and not complete[0]  # this forward saw a mask: its KV is stale
+    _, complete = step(new, [3, 6, 4, 5], [0.9] * 4, cfg)
+    assert complete[0]
+
+
+@pytest.mark.parametrize("steps, expected_counts", [(3, [2, 1, 1]), (4, [1, 1, 1, 1]), (2, [2, 2])])
+def test_fixed_steps_spreads_the_masks_evenly_over_the_steps(steps, expected_counts):
+    cfg = DecodingConfig("fixed_steps", denoising_steps=steps)
+    state = window([M, M, M, M])
+    confidence = [0.4, 0.3, 0.2, 0.1]
+    counts = []
+    while (np.asarray(state.tokens) == M).any():
+        before = (np.asarray(state.tokens) == M).sum()
+        state, _ = step(state, [5, 6, 7, 8], confidence, cfg)
+        counts.append(int(before - (np.asarray(state.tokens) == M).sum()))
+    assert counts == expected_counts
+    assert tokens_of(state) == [5, 6, 7, 8]
+
+
+def test_fixed_steps_ties_go_to_the_lower_position():
+    new, _ = step(window([M, M, M, M]), [5, 6, 7, 8], [0.5] * 4, DecodingConfig("fixed_steps", denoising_steps=4))
+    assert tokens_of(new) == [5, M, M, M]
+
+
+@pytest.mark.parametrize("editing_threshold, edited", [(0.5, True), (0.7, False)])
+def test_joint_threshold_edits_filled_tokens_above_the_editing_threshold(editing_threshold, edited):
+    cfg = DecodingConfig("joint_threshold", threshold=0.9, editing_threshold=editing_threshold, max_post_steps=4)
+    state = window([3, 4, M, 5], fixed=[True, False, False, False])
+    new, _ = step(state, [9, 8, 7, 5], [0.6, 0.6, 0.95, 0.6], cfg)
+    assert tokens_of(new) == [3, 8 if edited else 4, 7, 5]  # the prompt position 0 is never edited
+
+
+def test_editing_stops_after_max_post_steps_and_then_the_block_completes():
+    cfg = DecodingConfig("joint_threshold", threshold=0.5, editing_threshold=0.0, max_post_steps=2)
+    state = window([3, 4, 5, 6])
+    flips = ([7, 4, 5, 6], [3, 4, 5, 6], [7, 4, 5, 6])
+    history = []
+    for candidates in flips:
+        state, complete = step(state, candidates, [0.9] * 4, cfg)
+        history.append((tokens_of(state)[0], bool(complete[0])))
+    assert history == [(7, False), (3, False), (3, True)]
+
+
+def test_add_block_threshold_opens_the_next_block():
+    tokens = [M] * 8
+    for threshold, opened in ((0.5, True), (0.75, False)):
+        cfg = DecodingConfig("threshold", threshold=0.9, buffer_size=2, add_block_threshold=threshold)
+        new, _ = step(window(tokens), list(range(10, 18)), [0.95, 0.95, 0.1, 0.1] + [0.1] * 4, cfg, max_blocks=2)
+        assert int(new.num_active_blocks[0]) == (2 if opened else 1)
+
+
+def test_no_block_opens_beyond_max_blocks():
+    cfg = DecodingConfig("threshold", threshold=0.5, buffer_size=2, add_block_threshold=0.1)
+    new, _ = step(window([M] * 8), list(range(10, 18)), [0.9] * 8, cfg, max_blocks=1)
+    assert int(new.num_active_blocks[0]) == 1
+
+
+@pytest.mark.parametrize("semi_complete, forced", [(0.7, True), (0.8, False)])
+def test_semi_complete_threshold_forces_progress_in_the_next_block(semi_complete, forced):
+    cfg = DecodingConfig("threshold", threshold=0.9, buffer_size=2, add_block_threshold=0.1,
+                         semi_complete_threshold=semi_complete)
+    state = window([3, 4, 5, M, M, M, M, M], num_active=2)  # first block 3/4 full
+    new, _ = step(state, list(range(10, 18)), [0.5, 0.5, 0.5, 0.2, 0.3, 0.4, 0.2, 0.1], cfg, max_blocks=2)
+    second_block = tokens_of(new)[4:]
+    assert second_block == ([M, 15, M, M] if forced else [M] * 4)
+
+
+def test_later_blocks_complete_only_behind_earlier_ones():
+    cfg = DecodingConfig("threshold", threshold=0.5, buffer_size=2, add_block_threshold=0.1)
+    state = window([3, M, 5, 6, 7, 8, 9, 10], num_active=2)
+    _, complete = step(state, [3, 2, 5, 6, 7, 8, 9, 10], [0.1] * 8, cfg, max_blocks=2)
+    assert complete.tolist() == [False, False]
+
+
+@pytest.mark.parametrize("options", [
+    dict(strategy="threshold", denoising_steps=4),
+    dict(strategy="fixed_steps", threshold=0.9),
+    dict(strategy="threshold", editing_threshold=0.5),
+    dict(strategy="threshold", add_block_threshold=0.2),
+    dict(strategy="threshold", threshold=1.5),
+    dict(strategy="speculative"),
+])
+def test_knobs_the_strategy_does_not_read_are_rejected(options):
+    with pytest.raises(ConfigError):
+        DecodingConfig(**options)

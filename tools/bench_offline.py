@@ -1,0 +1,145 @@
+"""Offline throughput: N random prompts through the engine, and each forward's time against its floor.
+
+    python tools/bench_offline.py --model DIR --num-prompts 8 --input-len 512 --output-len 64 --batch 8
+    python tools/bench_offline.py --arch llada2 --size full --batch 1 8 32   # random weights made on the device
+
+Reports output tokens/s, forward passes/s, time per forward, and the floor of one forward: the bytes of weights (only
+the experts the batch's tokens touch, for MoE) and KV it must read over the copy bandwidth, and its FLOPs over the
+matmul rate; the floor is the larger of the two. Use fixed_steps so tokens per forward is known.
+"""
+
+import argparse
+import json
+import pathlib
+import tempfile
+import time
+
+import numpy as np
+
+from jaxllm import LLM, SamplingParams
+from jaxllm.config import ModelConfig
+
+COPY_BANDWIDTH = 4.1e12  # B/s, H200 device-to-device copy (read + write), measured
+MATMUL_RATE = 790e12  # FLOP/s, H200 bf16 matmul, measured
+
+
+def touched_experts(num_experts: int, top_k: int, num_tokens: int) -> float:
+    """Expected distinct experts hit by num_tokens tokens routed uniformly to top_k of num_experts."""
+    return num_experts * (1 - (1 - top_k / num_experts) ** num_tokens)
+
+
+def forward_floor(cfg: ModelConfig, batch: int, window: int, context: int, weight_bytes: int = 2,
+                  kv_bytes: int = 2) -> dict:
+    """Bytes that must move and FLOPs that must run in one denoising forward."""
+    tokens = batch * window
+    hidden, head = cfg.hidden_size, cfg.head_dim
+    attention = hidden * (cfg.num_heads + 2 * cfg.num_kv_heads) * head + cfg.num_heads * head * hidden
+    dense_layer = attention + 3 * hidden * cfg.intermediate_size
+    lm_head = cfg.vocab_size * hidden
+    params_read = params_per_token = cfg.num_layers * dense_layer + lm_head
+    if cfg.moe is not None:
+        moe = cfg.moe
+        num_moe = cfg.num_layers - moe.first_k_dense_replace
+        expert = 3 * hidden * moe.moe_intermediate_size
+        moe_layer = attention + hidden * moe.num_experts + moe.num_shared_experts * expert  # + router, shared
+        fixed = moe.first_k_dense_replace * dense_layer + num_moe * moe_layer + lm_head
+        params_read = fixed + num_moe * touched_experts(moe.num_experts, moe.num_experts_per_tok, tokens) * expert
+        params_per_token = fixed + num_moe * moe.num_experts_per_tok * expert
+    kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * head * kv_bytes
+    bytes_moved = params_read * weight_bytes + (batch * context + tokens) * kv_per_token
+    flops = 2 * tokens * params_per_token + 4 * tokens * (context + window) * cfg.num_heads * head * cfg.num_layers
+    memory_s, compute_s = bytes_moved / COPY_BANDWIDTH, flops / MATMUL_RATE
+    return dict(bytes=bytes_moved, flops=flops, floor_ms=1e3 * max(memory_s, compute_s),
+                bound="memory" if memory_s >= compute_s else "compute")
+
+
+def run(llm: LLM, num_prompts: int, input_len: int, output_len: int, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    vocab = len(llm.engine.tokenizer)
+    prompts = [rng.integers(4, vocab, input_len).tolist() for _ in range(num_prompts)]
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    llm.generate(prompts, SamplingParams(max_tokens=llm.engine.block_size, ignore_eos=True))  # compile
+    engine = llm.engine
+    forwards_before, decode_before = engine.num_forwards, engine.decode_time
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    forwards = engine.num_forwards - forwards_before
+    decode_time = engine.decode_time - decode_before
+    generated = sum(len(o.token_ids) for o in outputs)
+    return dict(num_prompts=num_prompts, input_len=input_len, output_len=output_len, seconds=round(elapsed, 3),
+                output_tokens_per_s=round(generated / elapsed, 1), forwards=forwards,
+                forwards_per_s=round(forwards / decode_time, 2), ms_per_forward=round(1e3 * decode_time / forwards, 3),
+                tokens_per_forward=round(np.mean([o.stats["tokens_per_forward"] for o in outputs]), 3))
+
+
+def model_dir_for(args) -> pathlib.Path:
+    if args.model:
+        return pathlib.Path(args.model)
+    from tools.make_checkpoint import make_checkpoint
+    out = pathlib.Path(tempfile.mkdtemp(prefix=f"bench_{args.arch}_"))
+    return make_checkpoint(out, args.arch, size=args.size, dtype="bf16", with_weights=not args.random_weights)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="checkpoint directory (default: make one with --arch/--size)")
+    parser.add_argument("--arch", choices=["sdar", "llada2"], default="sdar")
+    parser.add_argument("--size", choices=["tiny", "full"], default="tiny")
+    parser.add_argument("--random-weights", action="store_true", help="make weights on the device, skip the files")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1], help="requests in flight (one run each)")
+    parser.add_argument("--num-prompts", type=int, help="prompts per run (default: the batch size)")
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--block-size", type=int)
+    parser.add_argument("--strategy", default="fixed_steps", choices=["fixed_steps", "threshold"])
+    parser.add_argument("--denoising-steps", type=int, help="fixed_steps: steps per block (default: block size)")
+    parser.add_argument("--threshold", type=float)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--quantization", choices=["int8", "fp8"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="append one JSON line per run to this file")
+    args = parser.parse_args()
+
+    model_dir = model_dir_for(args)
+    results = []
+    for batch in args.batch:
+        llm = make_llm(args, model_dir, batch)
+        cfg = llm.engine.model_config
+        result = run(llm, args.num_prompts or batch, args.input_len, args.output_len, args.seed)
+        floor = forward_floor(cfg, batch, llm.engine.block_size, args.input_len + args.output_len // 2,
+                              weight_bytes=1 if args.quantization else 2)
+        result |= dict(model=cfg.model_type, batch=batch, block_size=llm.engine.block_size, floor_ms=round(
+            floor["floor_ms"], 3), floor_bound=floor["bound"], gb_per_forward=round(floor["bytes"] / 1e9, 2),
+            floor_ratio=round(result["ms_per_forward"] / floor["floor_ms"], 2), quantization=args.quantization)
+        results.append(result)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(result) + "\n")
+        del llm
+    print_table(results)
+
+
+def make_llm(args, model_dir: pathlib.Path, batch: int) -> LLM:
+    options = dict(decoding_strategy=args.strategy, dtype=args.dtype, max_num_seqs=batch,
+                   max_model_len=args.input_len + args.output_len + 64,
+                   max_num_batched_tokens=batch * args.input_len, quantization=args.quantization)
+    if args.block_size:
+        options["block_size"] = args.block_size
+    if args.strategy == "fixed_steps":
+        options["denoising_steps"] = args.denoising_steps or args.block_size or 32
+    elif args.threshold is not None:
+        options["threshold"] = args.threshold
+    return LLM(model_dir, random_weights=args.random_weights, **options)
+
+
+def print_table(results: list[dict]) -> None:
+    columns = ["model", "batch", "block_size", "output_tokens_per_s", "forwards_per_s", "tokens_per_forward",
+               "ms_per_forward", "floor_ms", "floor_bound", "gb_per_forward", "floor_ratio"]
+    print(" | ".join(columns))
+    for result in results:
+        print(" | ".join(str(result[c]) for c in columns))
+
+
+if __name__ == "__main__":
+    main()

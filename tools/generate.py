@@ -1,0 +1,56 @@
+"""Generate text offline with the jitted engine and print tokens/s and tokens per forward.
+
+    python tools/generate.py                                   # the embedded default model
+    python tools/generate.py --model DIR --prompt "def fib(n):" --max-tokens 64 --strategy threshold --threshold 0.9
+"""
+
+import argparse
+import time
+
+from jaxllm import LLM, SamplingParams
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="HF checkpoint directory (default: the embedded default model)")
+    parser.add_argument("--prompt", action="append", help="repeat for a batch (default: a few code prompts)")
+    parser.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--strategy", default="threshold", choices=["threshold", "fixed_steps", "joint_threshold"])
+    parser.add_argument("--threshold", type=float)
+    parser.add_argument("--denoising-steps", type=int)
+    parser.add_argument("--block-size", type=int)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-k", type=int, default=-1)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--dtype", default="float32", help="float32 or bfloat16")
+    args = parser.parse_args()
+
+    prompts = args.prompt or ["def fibonacci(n):\n", "import os\nimport sys\n\n", "class Stack:\n"]
+    options = dict(decoding_strategy=args.strategy, dtype=args.dtype, max_num_seqs=len(prompts),
+                   max_model_len=512, block_size=args.block_size)
+    if args.threshold is not None:
+        options["threshold"] = args.threshold
+    if args.denoising_steps is not None:
+        options["denoising_steps"] = args.denoising_steps
+    llm = LLM(args.model, **options)
+    if args.chat:
+        prompts = [llm.engine.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed)
+    llm.generate(prompts, SamplingParams(max_tokens=llm.engine.block_size))  # compile the shapes first
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    for prompt, output in zip(prompts, outputs):
+        shown = prompt if isinstance(prompt, str) else llm.engine.tokenizer.decode(prompt)
+        print(f"--- prompt ---\n{shown}\n--- completion ({output.finish_reason}) ---\n{output.text}\n")
+    generated = sum(len(o.token_ids) for o in outputs)
+    forwards = max(o.forward_passes for o in outputs)
+    print(f"{generated} tokens in {elapsed:.2f} s: {generated / elapsed:.1f} tokens/s, "
+          f"{forwards} forward passes, {generated / len(outputs) / forwards:.2f} tokens per forward per request")
+
+
+if __name__ == "__main__":
+    main()
