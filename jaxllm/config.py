@@ -90,7 +90,7 @@ class DecodingConfig:
     max_post_steps: int | None = None  # joint_threshold: editing steps allowed after a block has no masks
     buffer_size: int = 1  # blocks in flight per request
     add_block_threshold: float | None = None  # buffer_size > 1: open the next block at this fraction unmasked
-    semi_complete_threshold: float | None = None  # buffer_size > 1: force top-1 in a block once its predecessor is this full
+    semi_complete_threshold: float | None = None  # buffer_size > 1: force top-1 once the previous block is this full
 
     def __post_init__(self):
         uses = {

@@ -36,10 +36,9 @@ def unchanged(weight):
 class Tensor:
     """How one model parameter is assembled from checkpoint tensors."""
 
-    keys: tuple[str, ...]  # checkpoint keys; "{layer}" and "{expert}" are filled in when stacking
-    convert: Callable[..., np.ndarray] = transpose  # the tensors of `keys`, in order -> one parameter slice
-    layers: tuple[int, ...] | None = None  # stack over these checkpoint layers on a leading axis
-    experts: int | None = None  # then stack over this many experts
+    keys: tuple[str, ...]  # checkpoint keys; "{expert}" is filled in when stacking experts
+    convert: Callable[..., np.ndarray] = transpose  # the tensors of `keys`, in order -> the parameter (or a slice)
+    experts: int | None = None  # stack this many experts on a leading axis
 
 
 class SafetensorsReader:
@@ -88,15 +87,11 @@ def _assemble(path: str, spec: Tensor, reader: SafetensorsReader, shape, dtype) 
                                   f"{tuple(expected_shape)} after conversion, the checkpoint gives {value.shape}")
         return value.astype(dtype)
 
-    if spec.layers is None:
+    if spec.experts is None:
         return piece({}, shape)
     out = np.empty(shape, dtype)
-    for i, layer in enumerate(spec.layers):
-        if spec.experts is None:
-            out[i] = piece({"layer": layer}, shape[1:])
-        else:
-            for expert in range(spec.experts):
-                out[i, expert] = piece({"layer": layer, "expert": expert}, shape[2:])
+    for expert in range(spec.experts):
+        out[expert] = piece({"expert": expert}, shape[1:])
     return out
 
 
@@ -111,7 +106,7 @@ def _unflatten(flat: dict[str, object]) -> dict:
     tree: dict = {}
     for path, value in flat.items():
         node = tree
-        *parents, leaf = path.split("/")
+        *parents, leaf = (int(name) if name.isdigit() else name for name in path.split("/"))  # list indices
         for name in parents:
             node = node.setdefault(name, {})
         node[leaf] = value
@@ -142,9 +137,8 @@ def load_weights(model_dir: pathlib.Path, abstract_model: nnx.Module, weight_map
 
 
 def _used_keys(spec: Tensor) -> set[str]:
-    layers = spec.layers if spec.layers is not None else (None,)
     experts = range(spec.experts) if spec.experts is not None else (None,)
-    return {key.format(layer=layer, expert=expert) for key in spec.keys for layer in layers for expert in experts}
+    return {key.format(expert=expert) for key in spec.keys for expert in experts}
 
 
 def random_weights(abstract_model: nnx.Module, seed: int = 0, std: float = 0.02) -> nnx.Module:
@@ -159,7 +153,7 @@ def random_weights(abstract_model: nnx.Module, seed: int = 0, std: float = 0.02)
     keys = jax.random.split(jax.random.key(seed), len(params))
     filled = {}
     for key, (path, struct) in zip(keys, sorted(params.items())):
-        if path.endswith("weight") and len(struct.shape) <= 2:  # norm weights: near one
+        if path.endswith("weight"):  # norm weights: near one
             filled[path] = (1.0 + make(key, struct.shape, jnp.float32)).astype(struct.dtype)
         elif path.endswith("expert_bias"):
             filled[path] = jnp.abs(make(key, struct.shape, struct.dtype))

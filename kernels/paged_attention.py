@@ -23,7 +23,15 @@ L layers, P pages, S page size, W page-table width):
 
 `write_kv_pages` scatters the window's K/V into the pool at those positions; rows past
 `window_len` are dropped, so padded slots write nothing. Under jit with the pool donated the
-scatter updates the pool in place.
+scatter updates the pool in place (H200: ~18 us per block write inside a jitted loop, against
+5.4 ms to copy an 8 GiB pool).
+
+The Pallas-Triton kernel runs one program per (query tile, key split, kv head, request). A program
+holds TQ window queries x the (power-of-2 padded) head group as M = TQ*Gp rows, gathers committed
+K/V rows straight from the pool through the page table (GPU Pallas has no scalar prefetch), then the
+window's own K/V under the block-causal mask, with an online softmax in float32. When the grid
+would be too small to fill the GPU, the keys are split across programs and their normalised partial
+outputs are merged with their log-sum-exps in XLA.
 """
 
 import dataclasses
@@ -230,36 +238,18 @@ def _paged_attention_kernel(layer_ref, page_table_ref, context_lens_ref, window_
                                                                        tiling=tiling)
     step = functools.partial(_online_softmax_step, sm_scale=sm_scale, logit_soft_cap=logit_soft_cap)
 
-    def committed_positions(t):  # [TK] absolute positions of committed tile t, and which of them exist
-        offset = t * tiling.key_tile + jax.lax.iota(jnp.int32, tiling.key_tile)
-        return c_lo + begin + offset, offset < committed_count
-
-    def load_page_ids(t):
-        pos, _ = committed_positions(t)
-        return page_table_ref[b, jnp.minimum(pos // page_size, page_table_width - 1)]
-
-    def pool_rows(t, page_ids):
-        pos, _ = committed_positions(t)
-        return jnp.minimum(jnp.maximum(page_ids, 0) * page_size + pos % page_size, num_pool_rows - 1)
-
-    def load_committed_kv(t, rows):
-        mask = committed_positions(t)[1][:, None]
-        k = pltriton.load(k_pages_ref.at[layer, kv_head, rows[:, None], cols], mask=mask, other=0.0)
-        v = pltriton.load(v_pages_ref.at[layer, kv_head, rows[:, None], cols], mask=mask, other=0.0)
-        return k, v
-
     def committed_tile(t, carry):
-        # Software pipeline, as Triton does not pipeline these indirect loads: K/V of tile t arrived during the
-        # previous step; issue tile t+1's K/V and tile t+2's page ids now, use them after this tile's matmuls.
-        softmax_state, (k, v), next_rows = carry[:3], carry[3:5], carry[5]
-        next_kv = load_committed_kv(t + 1, next_rows)
-        later_page_ids = load_page_ids(t + 2)
-        pos, valid = committed_positions(t)
+        offset = t * tiling.key_tile + jax.lax.iota(jnp.int32, tiling.key_tile)  # [TK]
+        pos = c_lo + begin + offset
+        valid = offset < committed_count
+        page = page_table_ref[b, jnp.minimum(pos // page_size, page_table_width - 1)]
+        row = jnp.minimum(jnp.maximum(page, 0) * page_size + pos % page_size, num_pool_rows - 1)
+        k = pltriton.load(k_pages_ref.at[layer, kv_head, row[:, None], cols], mask=valid[:, None], other=0.0)
+        v = pltriton.load(v_pages_ref.at[layer, kv_head, row[:, None], cols], mask=valid[:, None], other=0.0)
         visible = valid[None, :]
         if sliding_window is not None:
             visible = visible & (context_len + query_idx - pos[None, :] < sliding_window)
-        softmax_state = step(softmax_state, q, k.astype(dtype), v.astype(dtype), visible)
-        return (*softmax_state, *next_kv, pool_rows(t + 2, later_page_ids))
+        return step(carry, q, k.astype(dtype), v.astype(dtype), visible)
 
     def window_tile(t, carry):
         offset = t * tiling.window_key_tile + jax.lax.iota(jnp.int32, tiling.window_key_tile)  # [TKW]
@@ -273,13 +263,11 @@ def _paged_attention_kernel(layer_ref, page_table_ref, context_lens_ref, window_
             visible = visible & (query_idx - key_idx[None, :] < sliding_window)
         return step(carry, q, k.astype(dtype), v.astype(dtype), visible)
 
-    softmax_state = (jnp.zeros((num_rows, head_dim), jnp.float32),
-                     jnp.full((num_rows,), MASK_VALUE, jnp.float32), jnp.zeros((num_rows,), jnp.float32))
-    first_kv = load_committed_kv(0, pool_rows(0, load_page_ids(0)))
-    carry = (*softmax_state, *first_kv, pool_rows(1, load_page_ids(1)))
+    carry = (jnp.zeros((num_rows, head_dim), jnp.float32), jnp.full((num_rows,), MASK_VALUE, jnp.float32),
+             jnp.zeros((num_rows,), jnp.float32))
     carry = jax.lax.fori_loop(0, pl.cdiv(committed_count, tiling.key_tile), committed_tile, carry)
-    softmax_state = jax.lax.fori_loop(0, pl.cdiv(window_count, tiling.window_key_tile), window_tile, carry[:3])
-    acc, row_max, row_sum = softmax_state
+    carry = jax.lax.fori_loop(0, pl.cdiv(window_count, tiling.window_key_tile), window_tile, carry)
+    acc, row_max, row_sum = carry
     seen = row_sum > 0  # a row that saw no key (padded slot, empty split) yields zeros
     out = acc / jnp.where(seen, row_sum, 1.0)[:, None]
     out_ref[...] = out.reshape(out_ref.shape).astype(out_ref.dtype)

@@ -12,14 +12,14 @@ import logging
 import time
 from collections.abc import Callable
 
-from jaxllm.server.engine_loop import EngineLoop, not_ready_error
-from jaxllm.server.generation import DEFAULT_SSE_KEEPALIVE_S, ServingState, handle_generation
-from jaxllm.server.metrics import ServerMetrics
-from jaxllm.server.protocol import APIError, SamplingDefaults
 from sanic import Request, Sanic, response
 from sanic.exceptions import SanicException
 
 from jaxllm.engine.engine import LLMEngine
+from jaxllm.server.engine_loop import EngineLoop, not_ready_error
+from jaxllm.server.generation import DEFAULT_SSE_KEEPALIVE_S, ServingState, handle_generation
+from jaxllm.server.metrics import ServerMetrics
+from jaxllm.server.protocol import APIError, SamplingDefaults
 
 logger = logging.getLogger("jaxllm.server")
 

@@ -12,13 +12,12 @@ import os
 import pathlib
 import sys
 
-from jaxllm.server.app import DEFAULT_RESPONSE_TIMEOUT_S, create_app
-from jaxllm.server.generation import DEFAULT_SSE_KEEPALIVE_S
-from jaxllm.server.protocol import SamplingDefaults
-
 from jaxllm.config import ConfigError
 from jaxllm.engine.engine import LLMEngine
 from jaxllm.llm import DEFAULT_MODEL_DIR, split_options
+from jaxllm.server.app import DEFAULT_RESPONSE_TIMEOUT_S, create_app
+from jaxllm.server.generation import DEFAULT_SSE_KEEPALIVE_S
+from jaxllm.server.protocol import SamplingDefaults
 
 logger = logging.getLogger("jaxllm.server")
 

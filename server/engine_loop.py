@@ -11,12 +11,11 @@ import logging
 import threading
 from collections.abc import Callable
 
-from jaxllm.server.metrics import ServerMetrics
-from jaxllm.server.protocol import APIError
-
 from jaxllm.engine.engine import LLMEngine, QueueFull
 from jaxllm.engine.request import RequestOutput
 from jaxllm.sampling import SamplingParams
+from jaxllm.server.metrics import ServerMetrics
+from jaxllm.server.protocol import APIError
 
 logger = logging.getLogger("jaxllm.server")
 

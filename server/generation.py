@@ -10,6 +10,10 @@ disconnect that cancels it, an error), `finally` closes the submission, which ab
 import dataclasses
 
 import jinja2
+from sanic import Request, response
+
+from jaxllm.engine.engine import LLMEngine
+from jaxllm.engine.request import RequestOutput
 from jaxllm.server.engine_loop import EngineFailed, EngineLoop, Submission
 from jaxllm.server.protocol import (
     APIError,
@@ -21,10 +25,6 @@ from jaxllm.server.protocol import (
     parse_json,
 )
 from jaxllm.server.responses import ResponseHeader, chunk, full_response, request_metrics, sse_event, usage_chunk
-from sanic import Request, response
-
-from jaxllm.engine.engine import LLMEngine
-from jaxllm.engine.request import RequestOutput
 
 DEFAULT_SSE_KEEPALIVE_S = 5.0
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

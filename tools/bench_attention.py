@@ -17,6 +17,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 from jaxllm.kernels import paged_attention as pa
 
 MODELS = {"llada2-mini": (16, 4, 128), "sdar-8b": (32, 8, 128)}  # query heads, kv heads, head dim

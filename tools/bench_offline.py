@@ -1,7 +1,7 @@
 """Offline throughput: N random prompts through the engine, and each forward's time against its floor.
 
-    python tools/bench_offline.py --model DIR --num-prompts 8 --input-len 512 --output-len 64 --batch 8
-    python tools/bench_offline.py --arch llada2 --size full --batch 1 8 32   # random weights made on the device
+    python -m tools.bench_offline --model DIR --num-prompts 8 --input-len 512 --output-len 64 --batch 8
+    python -m tools.bench_offline --arch llada2 --size full --batch 1 8 32   # random weights made on the device
 
 Reports output tokens/s, forward passes/s, time per forward, and the floor of one forward: the bytes of weights (only
 the experts the batch's tokens touch, for MoE) and KV it must read over the copy bandwidth, and its FLOPs over the
@@ -102,10 +102,10 @@ def main() -> None:
     args = parser.parse_args()
 
     model_dir = model_dir_for(args)
+    llm = make_llm(args, model_dir, max(args.batch))  # one engine: weights made once, a compile per batch size
+    cfg = llm.engine.model_config
     results = []
     for batch in args.batch:
-        llm = make_llm(args, model_dir, batch)
-        cfg = llm.engine.model_config
         result = run(llm, args.num_prompts or batch, args.input_len, args.output_len, args.seed)
         floor = forward_floor(cfg, batch, llm.engine.block_size, args.input_len + args.output_len // 2,
                               weight_bytes=1 if args.quantization else 2)
@@ -116,14 +116,16 @@ def main() -> None:
         if args.json:
             with open(args.json, "a") as f:
                 f.write(json.dumps(result) + "\n")
-        del llm
     print_table(results)
 
 
-def make_llm(args, model_dir: pathlib.Path, batch: int) -> LLM:
-    options = dict(decoding_strategy=args.strategy, dtype=args.dtype, max_num_seqs=batch,
-                   max_model_len=args.input_len + args.output_len + 64,
-                   max_num_batched_tokens=batch * args.input_len, quantization=args.quantization)
+def make_llm(args, model_dir: pathlib.Path, max_batch: int) -> LLM:
+    max_model_len = args.input_len + args.output_len + 64
+    padded_prompt = 1 << (args.input_len - 1).bit_length()  # one prefill step takes every prompt
+    options = dict(decoding_strategy=args.strategy, dtype=args.dtype, max_num_seqs=max_batch,
+                   max_model_len=max_model_len, max_num_batched_tokens=max_batch * padded_prompt,
+                   quantization=args.quantization, num_pages=2 * max_batch * (max_model_len // 16 + 1),
+                   enable_prefix_caching=False)  # the timed pass repeats the warm-up's prompts: do all the work
     if args.block_size:
         options["block_size"] = args.block_size
     if args.strategy == "fixed_steps":

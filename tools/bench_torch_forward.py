@@ -1,6 +1,6 @@
 """PyTorch + transformers eager baseline: one block-diffusion denoise forward on the same shapes as bench_offline.
 
-    python tools/bench_torch_forward.py --arch llada2 --batch 1 8 --block 32 --context 512
+    python -m tools.bench_torch_forward --arch llada2 --batch 1 8 --block 32 --context 512
 
 Random bf16 weights made on the GPU. Glm4MoeForCausalLM stands in for LLaDA2 and Qwen3ForCausalLM for SDAR
 (models.md §1.5, §2). Each timed forward runs `block` new tokens per request over a cache of `context` committed

@@ -16,8 +16,8 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm import tqdm
 import transformers
+from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from jaxllm.config import DTYPES, ConfigError, DecodingConfig, EngineConfig
@@ -84,9 +84,10 @@ _compile_guard = _CompileGuard()
 
 
 class LLMEngine:
-    def __init__(self, model_dir: str | pathlib.Path, engine_config: EngineConfig = EngineConfig(),
-                 decoding_config: DecodingConfig = DecodingConfig(), *, random_weights: bool = False):
+    def __init__(self, model_dir: str | pathlib.Path, engine_config: EngineConfig | None = None,
+                 decoding_config: DecodingConfig | None = None, *, random_weights: bool = False):
         _compile_guard.armed = False
+        engine_config, decoding_config = engine_config or EngineConfig(), decoding_config or DecodingConfig()
         self.config, self.decoding = engine_config, decoding_config
         if engine_config.compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", engine_config.compilation_cache_dir)
@@ -172,13 +173,14 @@ class LLMEngine:
             max_steps=self.config.max_steps_per_round or max_steps_per_block(self.decoding, self.block_size))
         max_pages = -(-self.max_model_len // self.page_size)
         # a chunk never exceeds the context; chunks below 16 tokens would only add compilations
-        chunk_limit = max(min(self.config.max_num_batched_tokens, self.max_model_len), self.block_size)
+        token_budget = max(self.config.max_num_batched_tokens, self.block_size)
+        chunk_limit = min(token_budget, self.max_model_len)
         smallest_chunk = self.block_size * max(1, 16 // self.block_size)
         chunk_buckets = [c for c in powers_of_two(smallest_chunk, chunk_limit) if c <= chunk_limit] or [self.block_size]
         return ModelRunner(
             model, kv, spec, batch_buckets=powers_of_two(1, self.config.max_num_seqs),
             width_buckets=powers_of_two(min(8, max_pages), max_pages),
-            chunk_buckets=chunk_buckets, max_num_batched_tokens=chunk_buckets[-1])
+            chunk_buckets=chunk_buckets, max_num_batched_tokens=token_budget)
 
     def _scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(
@@ -296,21 +298,22 @@ class LLMEngine:
         return outputs
 
     def _detokenize(self, request: Request) -> str:
-        """Append newly committed text, trim at a stop string, hold back an incomplete UTF-8 character."""
+        """Newly committed text, trimmed at a stop string. While the request runs, an incomplete UTF-8 character
+        and the last len(longest stop) - 1 characters are held back: a stop string may still complete there."""
         with self._tokenizer_lock:
             text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
-        for stop in request.params.stop:
-            cut = text.find(stop, max(len(request.text) - len(stop), 0))
-            if cut != -1:
-                text = text[:cut]
-                if not request.is_finished:
-                    self.scheduler.finish(request, "stop")
-                elif request.finish_reason == "length":
-                    request.finish_reason = "stop"
-        if not request.is_finished and text.endswith("\ufffd"):
+        stops = request.params.stop
+        cuts = [cut for cut in (text.find(stop) for stop in stops) if cut != -1]
+        if cuts:
+            text = text[:min(cuts)]
+            if not request.is_finished:
+                self.scheduler.finish(request, "stop")
+            request.finish_reason = "stop"
+        if not request.is_finished:
             text = text.rstrip("\ufffd")
-        new_text = text[len(request.text):] if text.startswith(request.text) else ""
-        request.text = text if text.startswith(request.text) else request.text
+            text = text[:len(text) - (max(map(len, stops), default=1) - 1)]
+        new_text = text[len(request.text):]
+        request.text = text if len(text) > len(request.text) else request.text
         return new_text
 
     def _output(self, request: Request, new_token_ids: list[int], new_text: str) -> RequestOutput:
@@ -327,7 +330,7 @@ class LLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting) + sum(kind == "add" for kind, _ in self._inbox)
+        return len(self.scheduler.waiting) + len(self._inbox)  # the inbox holds additions and the odd abort
 
     @property
     def num_running(self) -> int:

@@ -168,30 +168,14 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), kv
 
 
-def stacked(make_layer, num_layers: int, rngs: nnx.Rngs):
-    """num_layers copies of a layer with parameters stacked on a leading axis, for scanning."""
+def run_layers(layers: nnx.List, x, kv: KVCache | None, md: AttentionMetadata | DenseMetadata):
+    """The decoder layers in order over (x, kv); layer i reads and writes pool slice i.
 
-    @nnx.split_rngs(splits=num_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
-    def make(rngs):
-        return make_layer(rngs)
-
-    return make(rngs)
-
-
-def scan_layers(layers: nnx.Module, x, kv: KVCache, first_layer: int, md: AttentionMetadata):
-    """Run stacked layers in order over (x, kv); layer i writes pool slice first_layer + i."""
-    graphdef, state = nnx.split(layers)
-    num_layers = jax.tree.leaves(state)[0].shape[0]
-
-    def body(carry, layer_state_and_index):
-        x, kv = carry
-        layer_state, layer = layer_state_and_index
-        x, kv = nnx.merge(graphdef, layer_state)(x, kv, layer, md)
-        return (x, kv), None
-
-    indices = first_layer + jnp.arange(num_layers, dtype=jnp.int32)
-    (x, kv), _ = jax.lax.scan(body, (x, kv), (state, indices))
+    Layers are unrolled, each with its own weight buffers: scanning over weights stacked on a layer axis makes
+    XLA copy every layer's slice out of the stack before its matmuls, tripling the bytes a forward moves.
+    """
+    for index, layer in enumerate(layers):
+        x, kv = layer(x, kv, jnp.int32(index), md)
     return x, kv
 
 

@@ -14,9 +14,18 @@ from flax import nnx
 from jaxllm.config import ModelConfig, MoEConfig, eos_ids, hf_field, rope_field
 from jaxllm.kernels.moe import moe_experts, route_grouped_sigmoid
 from jaxllm.loader import Tensor, transpose, unchanged
+from jaxllm.models.layers import (
+    MLP,
+    AttentionMetadata,
+    DecoderLayer,
+    Embedding,
+    KVCache,
+    Linear,
+    RMSNorm,
+    normal_init,
+    run_layers,
+)
 from jaxllm.quantization import quantize
-from jaxllm.models.layers import MLP, AttentionMetadata, DecoderLayer, Embedding, KVCache, Linear, RMSNorm, \
-    normal_init, scan_layers, stacked
 
 MODEL_TYPE = "llada2_moe"
 
@@ -88,24 +97,19 @@ class SparseMoE(nnx.Module):
 class LLaDA2(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
         self.cfg = cfg
-        num_dense = cfg.moe.first_k_dense_replace
         self.embed = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
-        dense_layer = lambda r: DecoderLayer(  # noqa: E731
-            cfg, MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=r), fused_qkv=True, dtype=dtype, rngs=r)
-        moe_layer = lambda r: DecoderLayer(  # noqa: E731
-            cfg, SparseMoE(cfg, dtype=dtype, rngs=r), fused_qkv=True, dtype=dtype, rngs=r)
-        self.dense_layers = stacked(dense_layer, num_dense, rngs) if num_dense else None
-        self.moe_layers = stacked(moe_layer, cfg.num_layers - num_dense, rngs)
+        self.layers = nnx.List([
+            DecoderLayer(cfg, MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+                         if i < cfg.moe.first_k_dense_replace else SparseMoE(cfg, dtype=dtype, rngs=rngs),
+                         fused_qkv=True, dtype=dtype, rngs=rngs)
+            for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs)
 
     def __call__(self, tokens, kv: KVCache, md: AttentionMetadata):
         """tokens i32[B, Q] -> final hidden states [B, Q, E], updated pool."""
-        x = self.embed(tokens)
-        if self.dense_layers is not None:
-            x, kv = scan_layers(self.dense_layers, x, kv, 0, md)
-        x, kv = scan_layers(self.moe_layers, x, kv, self.cfg.moe.first_k_dense_replace, md)
+        x, kv = run_layers(self.layers, self.embed(tokens), kv, md)
         return self.norm(x), kv
 
     def logits(self, hidden):  # f32[..., V]
@@ -115,10 +119,10 @@ class LLaDA2(nnx.Module):
 
 def quantize_weights(model: LLaDA2, mode: str) -> LLaDA2:
     """Quantize the routed experts (nearly all of the weight bytes) to int8 or fp8, one layer at a time."""
-    quantize_stack = jax.jit(lambda w: jax.lax.map(lambda layer: quantize(layer, mode), w))
-    mlp = model.moe_layers.mlp
-    for param in (mlp.experts_gate_up, mlp.experts_down):
-        param.set_value(quantize_stack(param.get_value()))
+    quantize_one = jax.jit(lambda w: quantize(w, mode))
+    for layer in model.layers[model.cfg.moe.first_k_dense_replace:]:
+        for param in (layer.mlp.experts_gate_up, layer.mlp.experts_down):
+            param.set_value(quantize_one(param.get_value()))
     return model
 
 
@@ -128,8 +132,6 @@ def _gate_up(gate, up):  # HF [I, E] each -> [E, 2I], gate first
 
 def hf_weight_map(cfg: ModelConfig) -> dict[str, Tensor]:
     """Model parameter path -> the checkpoint tensors it is made of."""
-    num_dense = cfg.moe.first_k_dense_replace
-    layer = "model.layers.{layer}."
     attention = {
         "input_layernorm/weight": (("input_layernorm.weight",), unchanged),
         "post_attention_layernorm/weight": (("post_attention_layernorm.weight",), unchanged),
@@ -143,23 +145,19 @@ def hf_weight_map(cfg: ModelConfig) -> dict[str, Tensor]:
     moe_mlp = {
         "mlp/gate/kernel": (("mlp.gate.weight",), transpose),
         "mlp/expert_bias": (("mlp.gate.expert_bias",), unchanged),
+        "mlp/experts_gate_up": (("mlp.experts.{expert}.gate_proj.weight", "mlp.experts.{expert}.up_proj.weight"),
+                                _gate_up),
+        "mlp/experts_down": (("mlp.experts.{expert}.down_proj.weight",), transpose),
     }
     if cfg.moe.num_shared_experts:
         moe_mlp |= {f"mlp/shared_experts/{name}/kernel": ((f"mlp.shared_experts.{name}.weight",), transpose)
                     for name in ("gate_proj", "up_proj", "down_proj")}
     weights = {}
-    for stack, layers, mlp in (("dense_layers", range(num_dense), dense_mlp),
-                               ("moe_layers", range(num_dense, cfg.num_layers), moe_mlp)):
+    for i in range(cfg.num_layers):
+        mlp = dense_mlp if i < cfg.moe.first_k_dense_replace else moe_mlp
         for path, (keys, convert) in (attention | mlp).items():
-            if layers:
-                weights[f"{stack}/{path}"] = Tensor(tuple(layer + k for k in keys), convert, layers=tuple(layers))
-    moe_layers = tuple(range(num_dense, cfg.num_layers))
-    expert = layer + "mlp.experts.{expert}."
-    weights["moe_layers/mlp/experts_gate_up"] = Tensor(
-        (expert + "gate_proj.weight", expert + "up_proj.weight"), _gate_up, layers=moe_layers,
-        experts=cfg.moe.num_experts)
-    weights["moe_layers/mlp/experts_down"] = Tensor(
-        (expert + "down_proj.weight",), transpose, layers=moe_layers, experts=cfg.moe.num_experts)
+            experts = cfg.moe.num_experts if "{expert}" in keys[0] else None
+            weights[f"layers/{i}/{path}"] = Tensor(tuple(f"model.layers.{i}.{k}" for k in keys), convert, experts)
     weights["embed/embedding"] = Tensor(("model.word_embeddings.weight",), unchanged)
     weights["norm/weight"] = Tensor(("model.norm.weight",), unchanged)
     if not cfg.tie_word_embeddings:

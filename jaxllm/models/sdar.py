@@ -4,13 +4,12 @@ GQA with per-head QK RMSNorm and full RoPE, SwiGLU MLPs, tied or untied embeddin
 block-causal (a token sees its own block and every earlier one) and logits predict in place.
 """
 
-from flax import nnx
 import jax.numpy as jnp
+from flax import nnx
 
 from jaxllm.config import ModelConfig, eos_ids, hf_field, rope_field
 from jaxllm.loader import Tensor, transpose, unchanged
-from jaxllm.models.layers import MLP, AttentionMetadata, DecoderLayer, Embedding, KVCache, Linear, RMSNorm, \
-    scan_layers, stacked
+from jaxllm.models.layers import MLP, AttentionMetadata, DecoderLayer, Embedding, KVCache, Linear, RMSNorm, run_layers
 
 MODEL_TYPE = "sdar"
 
@@ -43,17 +42,17 @@ class SDAR(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
-        self.layers = stacked(
-            lambda r: DecoderLayer(cfg, MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=r),
-                                   fused_qkv=False, dtype=dtype, rngs=r),
-            cfg.num_layers, rngs)
+        self.layers = nnx.List([
+            DecoderLayer(cfg, MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs), fused_qkv=False,
+                         dtype=dtype, rngs=rngs)
+            for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs)
 
     def __call__(self, tokens, kv: KVCache, md: AttentionMetadata):
         """tokens i32[B, Q] -> final hidden states [B, Q, E], updated pool."""
-        x, kv = scan_layers(self.layers, self.embed(tokens), kv, 0, md)
+        x, kv = run_layers(self.layers, self.embed(tokens), kv, md)
         return self.norm(x), kv
 
     def logits(self, hidden):  # f32[..., V]
@@ -63,8 +62,6 @@ class SDAR(nnx.Module):
 
 def hf_weight_map(cfg: ModelConfig) -> dict[str, Tensor]:
     """Model parameter path -> the checkpoint tensors it is made of."""
-    layers = tuple(range(cfg.num_layers))
-    layer = "model.layers.{layer}."
     per_layer = {
         "input_layernorm/weight": ("input_layernorm.weight", unchanged),
         "post_attention_layernorm/weight": ("post_attention_layernorm.weight", unchanged),
@@ -78,8 +75,8 @@ def hf_weight_map(cfg: ModelConfig) -> dict[str, Tensor]:
         "mlp/up_proj/kernel": ("mlp.up_proj.weight", transpose),
         "mlp/down_proj/kernel": ("mlp.down_proj.weight", transpose),
     }
-    weights = {f"layers/{path}": Tensor((layer + key,), convert, layers=layers)
-               for path, (key, convert) in per_layer.items()}
+    weights = {f"layers/{i}/{path}": Tensor((f"model.layers.{i}.{key}",), convert)
+               for i in range(cfg.num_layers) for path, (key, convert) in per_layer.items()}
     weights["embed/embedding"] = Tensor(("model.embed_tokens.weight",), unchanged)
     weights["norm/weight"] = Tensor(("model.norm.weight",), unchanged)
     if not cfg.tie_word_embeddings:

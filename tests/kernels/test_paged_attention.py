@@ -1,7 +1,8 @@
 """Paged block attention: the Pallas kernel against `paged_attention_reference`.
 
 On CPU the kernel runs in interpret mode (Pallas fills outputs with NaN first, so an element the kernel never
-writes fails the comparison); on a GPU the same tests compile it with Triton. Every case draws fresh random inputs
+writes fails the comparison); on a GPU the same tests compile it with Triton (outputs there start as whatever
+the allocator holds, so an unwritten element must happen to match a fresh random reference to pass). Every case draws fresh random inputs
 and poisons with NaN whatever the kernel must not read: the other layer, unused pages, page slots past the context,
 window rows past `window_len`. The reference runs on a clean copy (finite values in those places), so a poisoned
 value that leaks into the kernel's output shows up as a NaN or a mismatch.
@@ -19,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from jaxllm.kernels import paged_attention as pa
 
 INTERPRET = jax.default_backend() != "gpu"

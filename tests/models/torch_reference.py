@@ -58,12 +58,13 @@ def glm4moe_from_llada2(model_dir: pathlib.Path, dtype=torch.float32) -> Glm4Moe
 def _glm4moe_state(src: dict[str, np.ndarray], hf: dict) -> dict[str, np.ndarray]:
     q_rows = hf["num_attention_heads"] * hf["head_dim"]
     kv_rows = hf["num_key_value_heads"] * hf["head_dim"]
-    out = {"model.embed_tokens.weight": src["model.word_embeddings.weight"], "model.norm.weight": src["model.norm.weight"],
-           "lm_head.weight": src["lm_head.weight"]}
+    out = {"model.embed_tokens.weight": src["model.word_embeddings.weight"],
+           "model.norm.weight": src["model.norm.weight"], "lm_head.weight": src["lm_head.weight"]}
     for layer in range(hf["num_hidden_layers"]):
         p = f"model.layers.{layer}."
         qkv = src[p + "attention.query_key_value.weight"]
-        out |= {p + "self_attn.q_proj.weight": qkv[:q_rows], p + "self_attn.k_proj.weight": qkv[q_rows:q_rows + kv_rows],
+        out |= {p + "self_attn.q_proj.weight": qkv[:q_rows],
+                p + "self_attn.k_proj.weight": qkv[q_rows:q_rows + kv_rows],
                 p + "self_attn.v_proj.weight": qkv[q_rows + kv_rows:],
                 p + "self_attn.o_proj.weight": src[p + "attention.dense.weight"],
                 p + "self_attn.q_norm.weight": src[p + "attention.query_layernorm.weight"],
@@ -77,8 +78,9 @@ def _glm4moe_state(src: dict[str, np.ndarray], hf: dict) -> dict[str, np.ndarray
         experts = range(hf["num_experts"])
         out[p + "mlp.gate.weight"] = src[p + "mlp.gate.weight"]
         out[p + "mlp.gate.e_score_correction_bias"] = src[p + "mlp.gate.expert_bias"]
-        out[p + "mlp.experts.gate_up_proj"] = np.stack([np.concatenate(
-            [src[p + f"mlp.experts.{e}.gate_proj.weight"], src[p + f"mlp.experts.{e}.up_proj.weight"]]) for e in experts])
+        out[p + "mlp.experts.gate_up_proj"] = np.stack([
+            np.concatenate([src[p + f"mlp.experts.{e}.gate_proj.weight"], src[p + f"mlp.experts.{e}.up_proj.weight"]])
+            for e in experts])
         out[p + "mlp.experts.down_proj"] = np.stack([src[p + f"mlp.experts.{e}.down_proj.weight"] for e in experts])
         for name in ("gate_proj", "up_proj", "down_proj"):
             out[p + f"mlp.shared_experts.{name}.weight"] = src[p + f"mlp.shared_experts.{name}.weight"]

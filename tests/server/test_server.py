@@ -15,8 +15,9 @@ import time
 import httpx
 import openai
 import pytest
-from jaxllm.server import cli
 from tokenizers import Tokenizer
+
+from jaxllm.server import cli
 
 API_KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

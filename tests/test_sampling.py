@@ -1,0 +1,54 @@
+"""The on-device proposal: filters, greedy ties, and per-request seeded draws."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllm.sampling import SamplingParams, propose
+
+
+def run(logits, seeds, temperature, top_k=-1, top_p=1.0, positions=None):
+    logits = jnp.asarray(logits, jnp.float32)
+    batch, window, _ = logits.shape
+    positions = jnp.zeros((batch, window), jnp.int32) if positions is None else jnp.asarray(positions, jnp.int32)
+    return propose(logits, jnp.asarray(seeds, jnp.uint32), positions, jnp.zeros((batch, window), jnp.int32),
+                   jnp.full(batch, temperature, jnp.float32), jnp.full(batch, top_k, jnp.int32),
+                   jnp.full(batch, top_p, jnp.float32))
+
+
+def test_greedy_picks_the_lowest_id_on_ties_and_reports_softmax_confidence():
+    candidates, confidence = run([[[1.0, 3.0, 3.0, 0.0]]], [0], 0.0)
+    assert int(candidates[0, 0]) == 1
+    expected = np.exp(3.0) / np.exp([1.0, 3.0, 3.0, 0.0]).sum()
+    assert float(confidence[0, 0]) == pytest.approx(expected, rel=1e-6)
+
+
+def test_top_k_one_always_draws_the_argmax():
+    logits = np.random.default_rng(0).normal(size=(1, 64, 50))
+    candidates, confidence = run(logits[:, :, :], [3], 1.5, top_k=1)
+    assert (np.asarray(candidates[0]) == logits[0].argmax(-1)).all()
+    assert np.allclose(confidence, 1.0)
+
+
+def test_top_p_draws_only_from_the_nucleus():
+    logits = np.log(np.array([[[0.5, 0.3, 0.15, 0.05]] * 200]))
+    candidates, _ = run(logits, [11], 1.0, top_p=0.7, positions=np.arange(200)[None])
+    assert set(np.asarray(candidates[0]).tolist()) == {0, 1}  # 0.5 + 0.3 reach 0.7
+
+
+def test_a_seed_gives_the_same_draws_in_any_batch_slot():
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(1, 8, 100))
+    alone, _ = run(logits, [42], 1.0, positions=np.arange(8)[None])
+    batched, _ = run(np.concatenate([rng.normal(size=(1, 8, 100)), logits]), [7, 42], 1.0,
+                     positions=np.stack([np.arange(8), np.arange(8)]))
+    assert (np.asarray(batched[1]) == np.asarray(alone[0])).all()
+    other, _ = run(logits, [43], 1.0, positions=np.arange(8)[None])
+    assert (np.asarray(other[0]) != np.asarray(alone[0])).any()
+
+
+@pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(temperature=-1), dict(top_k=0), dict(top_p=0.0),
+                                 dict(stop=[""]), dict(seed=-1)])
+def test_invalid_sampling_params_are_rejected(bad):
+    with pytest.raises(ValueError):
+        SamplingParams(**bad)
