@@ -27,11 +27,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", help="float32 or bfloat16")
     args = parser.parse_args()
 
-    prompts = args.prompt or ["def fibonacci(n):\n", "import os\nimport sys\n\n", "class Stack:\n"]
+    prompts = args.prompt or ['def parse_args(argv):\n    """', "def ", "class Stack:\n    def push(self, item):\n"]
     options = dict(decoding_strategy=args.strategy, dtype=args.dtype, max_num_seqs=len(prompts),
                    max_model_len=512, block_size=args.block_size)
-    if args.threshold is not None:
-        options["threshold"] = args.threshold
+    if args.threshold is not None or args.strategy == "threshold":
+        options["threshold"] = 0.9 if args.threshold is None else args.threshold
     if args.denoising_steps is not None:
         options["denoising_steps"] = args.denoising_steps
     llm = LLM(args.model, **options)

@@ -188,3 +188,28 @@ class Embedding(nnx.Module):
 
     def attend(self, x):  # tied LM head
         return jnp.dot(x, self.embedding[...].T.astype(x.dtype))
+
+
+class DecoderLM(nnx.Module):
+    """Embedding, decoder layers, final norm and LM head (tied to the embedding, or its own).
+
+    Models differ in their attention projection (fused_qkv) and in the MLP of each layer (make_mlp(layer_index)).
+    """
+
+    def __init__(self, cfg, make_mlp, *, fused_qkv: bool, dtype, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, make_mlp(i), fused_qkv=fused_qkv, dtype=dtype, rngs=rngs)
+                                for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs)
+
+    def __call__(self, tokens, kv: KVCache | None, md: AttentionMetadata | DenseMetadata):
+        """tokens i32[B, Q] -> final hidden states [B, Q, E], updated pool."""
+        x, kv = run_layers(self.layers, self.embed(tokens), kv, md)
+        return self.norm(x), kv
+
+    def logits(self, hidden):  # f32[..., V]
+        head = self.embed.attend(hidden) if self.cfg.tie_word_embeddings else self.lm_head(hidden)
+        return head.astype(jnp.float32)

@@ -14,17 +14,7 @@ from flax import nnx
 from jaxllm.config import ModelConfig, MoEConfig, eos_ids, hf_field, rope_field
 from jaxllm.kernels.moe import moe_experts, route_grouped_sigmoid
 from jaxllm.loader import Tensor, transpose, unchanged
-from jaxllm.models.layers import (
-    MLP,
-    AttentionMetadata,
-    DecoderLayer,
-    Embedding,
-    KVCache,
-    Linear,
-    RMSNorm,
-    normal_init,
-    run_layers,
-)
+from jaxllm.models.layers import MLP, DecoderLM, Linear, normal_init
 from jaxllm.quantization import quantize
 
 MODEL_TYPE = "llada2_moe"
@@ -94,27 +84,14 @@ class SparseMoE(nnx.Module):
         return out.reshape(shape)
 
 
-class LLaDA2(nnx.Module):
+class LLaDA2(DecoderLM):
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
-        self.cfg = cfg
-        self.embed = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([
-            DecoderLayer(cfg, MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
-                         if i < cfg.moe.first_k_dense_replace else SparseMoE(cfg, dtype=dtype, rngs=rngs),
-                         fused_qkv=True, dtype=dtype, rngs=rngs)
-            for i in range(cfg.num_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs)
+        def make_mlp(layer: int) -> nnx.Module:
+            if layer < cfg.moe.first_k_dense_replace:
+                return MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+            return SparseMoE(cfg, dtype=dtype, rngs=rngs)
 
-    def __call__(self, tokens, kv: KVCache, md: AttentionMetadata):
-        """tokens i32[B, Q] -> final hidden states [B, Q, E], updated pool."""
-        x, kv = run_layers(self.layers, self.embed(tokens), kv, md)
-        return self.norm(x), kv
-
-    def logits(self, hidden):  # f32[..., V]
-        head = self.embed.attend(hidden) if self.cfg.tie_word_embeddings else self.lm_head(hidden)
-        return head.astype(jnp.float32)
+        super().__init__(cfg, make_mlp, fused_qkv=True, dtype=dtype, rngs=rngs)
 
 
 def quantize_weights(model: LLaDA2, mode: str) -> LLaDA2:

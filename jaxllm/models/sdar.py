@@ -4,12 +4,11 @@ GQA with per-head QK RMSNorm and full RoPE, SwiGLU MLPs, tied or untied embeddin
 block-causal (a token sees its own block and every earlier one) and logits predict in place.
 """
 
-import jax.numpy as jnp
 from flax import nnx
 
 from jaxllm.config import ModelConfig, eos_ids, hf_field, rope_field
 from jaxllm.loader import Tensor, transpose, unchanged
-from jaxllm.models.layers import MLP, AttentionMetadata, DecoderLayer, Embedding, KVCache, Linear, RMSNorm, run_layers
+from jaxllm.models.layers import MLP, DecoderLM
 
 MODEL_TYPE = "sdar"
 
@@ -38,26 +37,10 @@ def config_from_hf(hf: dict) -> ModelConfig:
     )
 
 
-class SDAR(nnx.Module):
+class SDAR(DecoderLM):
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
-        self.cfg = cfg
-        self.embed = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([
-            DecoderLayer(cfg, MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs), fused_qkv=False,
-                         dtype=dtype, rngs=rngs)
-            for _ in range(cfg.num_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs)
-
-    def __call__(self, tokens, kv: KVCache, md: AttentionMetadata):
-        """tokens i32[B, Q] -> final hidden states [B, Q, E], updated pool."""
-        x, kv = run_layers(self.layers, self.embed(tokens), kv, md)
-        return self.norm(x), kv
-
-    def logits(self, hidden):  # f32[..., V]
-        head = self.embed.attend(hidden) if self.cfg.tie_word_embeddings else self.lm_head(hidden)
-        return head.astype(jnp.float32)
+        super().__init__(cfg, lambda _: MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs),
+                         fused_qkv=False, dtype=dtype, rngs=rngs)
 
 
 def hf_weight_map(cfg: ModelConfig) -> dict[str, Tensor]:
