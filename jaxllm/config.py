@@ -92,6 +92,13 @@ class DecodingConfig:
     add_block_threshold: float | None = None  # buffer_size > 1: open the next block at this fraction unmasked
     semi_complete_threshold: float | None = None  # buffer_size > 1: force top-1 once the previous block is this full
 
+    @classmethod
+    def joint_threshold_preset(cls, name: str, **overrides) -> "DecodingConfig":
+        """LLaDA2.1's Quality ("quality") or Speed ("speed") joint_threshold settings, with overrides."""
+        if name not in JOINT_THRESHOLD_PRESETS:
+            raise ConfigError(f"preset must be one of {sorted(JOINT_THRESHOLD_PRESETS)}, got {name!r}")
+        return cls(strategy="joint_threshold", **(JOINT_THRESHOLD_PRESETS[name] | overrides))
+
     def __post_init__(self):
         uses = {
             "threshold": {"threshold"},

@@ -141,3 +141,10 @@ def test_later_blocks_complete_only_behind_earlier_ones():
 def test_knobs_the_strategy_does_not_read_are_rejected(options):
     with pytest.raises(ConfigError):
         DecodingConfig(**options)
+
+
+def test_llada21_presets_set_the_published_thresholds():
+    quality, speed = DecodingConfig.joint_threshold_preset("quality"), DecodingConfig.joint_threshold_preset("speed")
+    assert (quality.threshold, quality.editing_threshold, quality.max_post_steps) == (0.7, 0.5, 16)
+    assert (speed.threshold, speed.editing_threshold, speed.max_post_steps) == (0.5, 0.0, 16)
+    assert DecodingConfig.joint_threshold_preset("speed", max_post_steps=4).max_post_steps == 4
