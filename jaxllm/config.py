@@ -49,6 +49,35 @@ class ModelConfig:
     moe: MoEConfig | None = None
 
 
+def transformer_config(hf_config: dict, model_type: str, *, rope_theta: float, partial_rotary_factor: float,
+                       block_size: int, moe: MoEConfig | None = None) -> ModelConfig:
+    """The fields every supported decoder reads the same way; the defaults are the model family's."""
+    def field(name):
+        return hf_field(hf_config, name, model_type)
+
+    num_heads = field("num_attention_heads")
+    head_dim = hf_config.get("head_dim") or field("hidden_size") // num_heads
+    return ModelConfig(
+        model_type=model_type,
+        vocab_size=field("vocab_size"),
+        hidden_size=field("hidden_size"),
+        num_layers=field("num_hidden_layers"),
+        num_heads=num_heads,
+        num_kv_heads=field("num_key_value_heads"),
+        head_dim=head_dim,
+        intermediate_size=field("intermediate_size"),
+        rms_norm_eps=field("rms_norm_eps"),
+        rope_theta=rope_field(hf_config, "rope_theta", rope_theta),
+        rotary_dim=int(head_dim * rope_field(hf_config, "partial_rotary_factor", partial_rotary_factor)),
+        tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+        max_position_embeddings=field("max_position_embeddings"),
+        default_block_size=int(hf_config.get("block_size", block_size)),
+        eos_token_ids=eos_ids(hf_config),
+        mask_token_id=hf_config.get("mask_token_id"),
+        moe=moe,
+    )
+
+
 def hf_field(hf_config: dict, name: str, model_type: str, *aliases: str):
     """Read a required config.json field, accepting older aliases, with an error that names it."""
     for key in (name, *aliases):

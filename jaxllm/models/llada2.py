@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxllm.config import ModelConfig, MoEConfig, eos_ids, hf_field, rope_field
+from jaxllm.config import ConfigError, ModelConfig, MoEConfig, hf_field, transformer_config
 from jaxllm.kernels.moe import moe_experts, route_grouped_sigmoid
 from jaxllm.loader import Tensor, transpose, unchanged
 from jaxllm.models.layers import MLP, DecoderLM, Linear, normal_init
@@ -21,11 +21,11 @@ MODEL_TYPE = "llada2_moe"
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
-    field = lambda name, *aliases: hf_field(hf, name, MODEL_TYPE, *aliases)  # noqa: E731
+    def field(name):
+        return hf_field(hf, name, MODEL_TYPE)
+
     if hf.get("score_function", "sigmoid") != "sigmoid":
-        raise ValueError(f"score_function {hf['score_function']!r} is not supported; LLaDA2 routes with 'sigmoid'")
-    num_heads = field("num_attention_heads")
-    head_dim = hf.get("head_dim") or field("hidden_size") // num_heads
+        raise ConfigError(f"score_function {hf['score_function']!r} is not supported; LLaDA2 routes with 'sigmoid'")
     moe = MoEConfig(
         num_experts=field("num_experts"),
         num_experts_per_tok=field("num_experts_per_tok"),
@@ -37,25 +37,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
         norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
     )
-    return ModelConfig(
-        model_type=MODEL_TYPE,
-        vocab_size=field("vocab_size"),
-        hidden_size=field("hidden_size"),
-        num_layers=field("num_hidden_layers"),
-        num_heads=num_heads,
-        num_kv_heads=field("num_key_value_heads"),
-        head_dim=head_dim,
-        intermediate_size=field("intermediate_size"),
-        rms_norm_eps=field("rms_norm_eps"),
-        rope_theta=rope_field(hf, "rope_theta", 600000.0),
-        rotary_dim=int(head_dim * rope_field(hf, "partial_rotary_factor", 0.5)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        max_position_embeddings=field("max_position_embeddings"),
-        default_block_size=int(hf.get("block_size", 32)),
-        eos_token_ids=eos_ids(hf),
-        mask_token_id=hf.get("mask_token_id"),
-        moe=moe,
-    )
+    return transformer_config(hf, MODEL_TYPE, rope_theta=600000.0, partial_rotary_factor=0.5, block_size=32, moe=moe)
 
 
 class SparseMoE(nnx.Module):

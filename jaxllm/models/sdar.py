@@ -6,7 +6,7 @@ block-causal (a token sees its own block and every earlier one) and logits predi
 
 from flax import nnx
 
-from jaxllm.config import ModelConfig, eos_ids, hf_field, rope_field
+from jaxllm.config import ModelConfig, transformer_config
 from jaxllm.loader import Tensor, transpose, unchanged
 from jaxllm.models.layers import MLP, DecoderLM
 
@@ -14,27 +14,7 @@ MODEL_TYPE = "sdar"
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
-    field = lambda name, *aliases: hf_field(hf, name, MODEL_TYPE, *aliases)  # noqa: E731
-    num_heads = field("num_attention_heads")
-    head_dim = hf.get("head_dim") or field("hidden_size") // num_heads
-    return ModelConfig(
-        model_type=MODEL_TYPE,
-        vocab_size=field("vocab_size"),
-        hidden_size=field("hidden_size"),
-        num_layers=field("num_hidden_layers"),
-        num_heads=num_heads,
-        num_kv_heads=field("num_key_value_heads"),
-        head_dim=head_dim,
-        intermediate_size=field("intermediate_size"),
-        rms_norm_eps=field("rms_norm_eps"),
-        rope_theta=rope_field(hf, "rope_theta", 1e6),
-        rotary_dim=head_dim,
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        max_position_embeddings=field("max_position_embeddings"),
-        default_block_size=int(hf.get("block_size", 4)),
-        eos_token_ids=eos_ids(hf),
-        mask_token_id=hf.get("mask_token_id"),
-    )
+    return transformer_config(hf, MODEL_TYPE, rope_theta=1e6, partial_rotary_factor=1.0, block_size=4)
 
 
 class SDAR(DecoderLM):
