@@ -101,16 +101,16 @@ class EngineLoop:
 
     def _serve(self, engine: LLMEngine) -> None:
         metrics = self._metrics
-        last_forward_time = engine.last_forward_time
+        forwards = engine.num_forwards
         while not self._stopping.is_set():
             if not engine.has_unfinished_requests():
                 engine.wait_for_work(IDLE_WAIT_S)
                 continue
             outputs = engine.step()
             metrics.observe_outputs(outputs)
-            if engine.last_forward_time != last_forward_time:  # this step ran a decode round
-                last_forward_time = engine.last_forward_time
-                metrics.observe_forward_time(last_forward_time)
+            if engine.num_forwards != forwards:  # this step ran a decode round
+                forwards = engine.num_forwards
+                metrics.observe_forward_time(engine.last_forward_time)
             if outputs:
                 self._loop.call_soon_threadsafe(self._route, outputs)
 
