@@ -11,30 +11,14 @@ import argparse
 import time
 
 import torch
-from transformers import DynamicCache, Glm4MoeConfig, Glm4MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import DynamicCache
 
 from tools.make_checkpoint import build_config
+from tools.torch_stand_ins import stand_in
 
 
 def torch_model(arch: str):
-    hf = build_config(arch, "full", "bf16")
-    common = dict(vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-                  intermediate_size=hf["intermediate_size"], num_hidden_layers=hf["num_hidden_layers"],
-                  num_attention_heads=hf["num_attention_heads"], num_key_value_heads=hf["num_key_value_heads"],
-                  head_dim=hf["head_dim"], rms_norm_eps=hf["rms_norm_eps"], tie_word_embeddings=False,
-                  max_position_embeddings=hf["max_position_embeddings"], attn_implementation="sdpa")
-    if arch == "sdar":
-        config = Qwen3Config(**common, rope_parameters={"rope_type": "default", "rope_theta": hf["rope_theta"]})
-        model_class = Qwen3ForCausalLM
-    else:
-        config = Glm4MoeConfig(
-            **common, rope_parameters={"rope_type": "default", "rope_theta": hf["rope_theta"],
-                                       "partial_rotary_factor": hf["partial_rotary_factor"]},
-            moe_intermediate_size=hf["moe_intermediate_size"], num_experts_per_tok=hf["num_experts_per_tok"],
-            n_shared_experts=hf["num_shared_experts"], n_routed_experts=hf["num_experts"],
-            routed_scaling_factor=hf["routed_scaling_factor"], n_group=hf["n_group"], topk_group=hf["topk_group"],
-            first_k_dense_replace=hf["first_k_dense_replace"], norm_topk_prob=True, use_qk_norm=True)
-        model_class = Glm4MoeForCausalLM
+    model_class, config = stand_in(build_config(arch, "full", "bf16"))
     torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda"):
         model = model_class(config)

@@ -10,7 +10,8 @@ import pathlib
 import numpy as np
 import torch
 from safetensors.numpy import load_file
-from transformers import Glm4MoeConfig, Glm4MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from tools.torch_stand_ins import stand_in
 
 
 def _tensors(model_dir: pathlib.Path) -> dict[str, np.ndarray]:
@@ -27,32 +28,15 @@ def _load(model, state: dict[str, np.ndarray], dtype):
     return model.to(dtype).eval()
 
 
-def qwen3_from_sdar(model_dir: pathlib.Path, dtype=torch.float32) -> Qwen3ForCausalLM:
-    hf = json.loads((model_dir / "config.json").read_text())
-    config = Qwen3Config(
-        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
-        num_hidden_layers=hf["num_hidden_layers"], num_attention_heads=hf["num_attention_heads"],
-        num_key_value_heads=hf["num_key_value_heads"], head_dim=hf["head_dim"], rms_norm_eps=hf["rms_norm_eps"],
-        max_position_embeddings=hf["max_position_embeddings"], tie_word_embeddings=hf["tie_word_embeddings"],
-        rope_parameters={"rope_type": "default", "rope_theta": hf["rope_theta"]}, attn_implementation="sdpa")
-    return _load(Qwen3ForCausalLM(config), _tensors(model_dir), dtype)
+def qwen3_from_sdar(model_dir: pathlib.Path, dtype=torch.float32):
+    model_class, config = stand_in(json.loads((model_dir / "config.json").read_text()))
+    return _load(model_class(config), _tensors(model_dir), dtype)
 
 
-def glm4moe_from_llada2(model_dir: pathlib.Path, dtype=torch.float32) -> Glm4MoeForCausalLM:
+def glm4moe_from_llada2(model_dir: pathlib.Path, dtype=torch.float32):
     hf = json.loads((model_dir / "config.json").read_text())
-    config = Glm4MoeConfig(
-        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
-        num_hidden_layers=hf["num_hidden_layers"], num_attention_heads=hf["num_attention_heads"],
-        num_key_value_heads=hf["num_key_value_heads"], head_dim=hf["head_dim"], rms_norm_eps=hf["rms_norm_eps"],
-        max_position_embeddings=hf["max_position_embeddings"], tie_word_embeddings=hf["tie_word_embeddings"],
-        rope_parameters={"rope_type": "default", "rope_theta": hf["rope_theta"],
-                         "partial_rotary_factor": hf["partial_rotary_factor"]},
-        moe_intermediate_size=hf["moe_intermediate_size"], num_experts_per_tok=hf["num_experts_per_tok"],
-        n_shared_experts=hf["num_shared_experts"], n_routed_experts=hf["num_experts"],
-        routed_scaling_factor=hf["routed_scaling_factor"], n_group=hf["n_group"], topk_group=hf["topk_group"],
-        first_k_dense_replace=hf["first_k_dense_replace"], norm_topk_prob=hf["norm_topk_prob"], use_qk_norm=True,
-        attention_bias=False, attn_implementation="sdpa")
-    return _load(Glm4MoeForCausalLM(config), _glm4moe_state(_tensors(model_dir), hf), dtype)
+    model_class, config = stand_in(hf)
+    return _load(model_class(config), _glm4moe_state(_tensors(model_dir), hf), dtype)
 
 
 def _glm4moe_state(src: dict[str, np.ndarray], hf: dict) -> dict[str, np.ndarray]:
