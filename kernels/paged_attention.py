@@ -27,11 +27,14 @@ scatter updates the pool in place (H200: ~18 us per block write inside a jitted 
 5.4 ms to copy an 8 GiB pool).
 
 The Pallas-Triton kernel runs one program per (query tile, key split, kv head, request). A program
-holds TQ window queries x the (power-of-2 padded) head group as M = TQ*Gp rows, gathers committed
-K/V rows straight from the pool through the page table (GPU Pallas has no scalar prefetch), then the
-window's own K/V under the block-causal mask, with an online softmax in float32. When the grid
-would be too small to fill the GPU, the keys are split across programs and their normalised partial
-outputs are merged with their log-sum-exps in XLA.
+holds TQ window queries x the (power-of-2 padded) head group as M = TQ*Gp rows and walks the committed
+K/V straight from the pool through the page table (GPU Pallas has no scalar prefetch): a key tile reads
+the ids of the few pages it covers as scalars (one contiguous page slice when a page holds whole tiles),
+or gathers them row by row when it spans many small pages. Tiles that lie wholly inside
+the committed range skip every bounds mask; the ragged last tile and the window's own K/V (under the
+block-causal mask) are masked. The online softmax runs in float32 in log2 units (bare exp2). When the
+grid would be too small to fill the GPU, the keys are split across programs and their normalised
+partial outputs are merged with their log-sum-exps in XLA.
 """
 
 import dataclasses
@@ -48,15 +51,18 @@ from jax.experimental.pallas import triton as pltriton
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated", category=DeprecationWarning)
 
 MASK_VALUE = -1e30
+LOG2E = 1.4426950408889634
 _TARGET_PROGRAMS = 256  # about two programs per H200 SM (132)
-_MIN_SPLIT_KEYS = 512  # shorter splits cost more in partial-output traffic than they win in parallelism
+_MIN_SPLIT_KEYS = 128  # two key tiles: shorter splits cost more in partial-output traffic and merging than they win
+_MAX_SCALAR_PAGES = 4  # a committed tile spanning more pages gathers its page ids as a vector
 
 
 def _check_shapes(q, k, v, k_pages, v_pages, page_table, context_lens, window_lens):
     batch, window, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     if k.shape != (batch, window, num_kv_heads, head_dim) or v.shape != k.shape:
-        raise ValueError(f"k/v must be [B, Q, K, D] = {(batch, window, num_kv_heads, head_dim)}, got {k.shape}, {v.shape}")
+        raise ValueError(f"k/v must be [B, Q, K, D] = {(batch, window, num_kv_heads, head_dim)}, "
+                         f"got {k.shape}, {v.shape}")
     if num_heads % num_kv_heads:
         raise ValueError(f"query heads ({num_heads}) must be a multiple of kv heads ({num_kv_heads})")
     if k_pages.ndim != 5 or k_pages.shape[1] != num_kv_heads or k_pages.shape[4] != head_dim:
@@ -91,8 +97,9 @@ def paged_attention_reference(q, k, v, k_pages, v_pages, layer, page_table, cont
     width = page_table.shape[1]
 
     # committed keys: one gather straight from the pool, [B, W, K, S, D] -> [B, W*S, K, D]
-    ctx_k = k_pages[layer, :, page_table].transpose(0, 1, 3, 2, 4).reshape(batch, width * page_size, num_kv_heads, head_dim)
-    ctx_v = v_pages[layer, :, page_table].transpose(0, 1, 3, 2, 4).reshape(batch, width * page_size, num_kv_heads, head_dim)
+    ctx_shape = (batch, width * page_size, num_kv_heads, head_dim)
+    ctx_k = k_pages[layer, :, page_table].transpose(0, 1, 3, 2, 4).reshape(ctx_shape)
+    ctx_v = v_pages[layer, :, page_table].transpose(0, 1, 3, 2, 4).reshape(ctx_shape)
     keys = jnp.concatenate([ctx_k, k], axis=1).astype(jnp.float32)
     values = jnp.concatenate([ctx_v, v], axis=1).astype(jnp.float32)
 
@@ -144,6 +151,7 @@ class _Tiling:
     num_splits: int      # programs sharing one (request, kv head, query tile), each on a slice of the keys
     num_warps: int
     num_stages: int
+    scalar_page_ids: bool  # read a committed tile's page ids as scalars (the tile spans <= _MAX_SCALAR_PAGES pages)
 
 
 def _next_pow2(n):
@@ -162,20 +170,32 @@ def _choose_tiling(q, page_size, page_table_width, num_kv_heads, overrides):
     programs = batch * num_kv_heads * -(-window // q_tile)
     max_keys = page_table_width * page_size + window
     num_splits = max(1, min(-(-_TARGET_PROGRAMS // programs), max_keys // _MIN_SPLIT_KEYS))
+    # Triton's pipeliner prefetches loads behind one level of indirection (page id -> K/V rows) only
+    # (num_stages - 1) // 2 tiles ahead: 5 stages keep two K/V tiles in flight, 3 or 4 stages only one. One
+    # 8-warp program fills an SM's registers, so that prefetch depth is all that hides HBM latency.
+    num_stages = (5 if q.dtype.itemsize == 2 else 3) if row_bytes <= 256 else 2
     tiling = _Tiling(q_tile=q_tile, group=group, key_tile=key_tile,
                      window_key_tile=min(key_tile, max(16, _next_pow2(window))), num_splits=num_splits,
-                     num_warps=8 if q_tile * group >= 128 else 4, num_stages=3 if row_bytes <= 256 else 2)
-    return dataclasses.replace(tiling, **(overrides or {}))
+                     num_warps=8 if q_tile * group >= 128 else 4, num_stages=num_stages, scalar_page_ids=True)
+    tiling = dataclasses.replace(tiling, **(overrides or {}))
+    # tiles start at multiples of key_tile, so each tile covers whole pages or lies inside one
+    pages_per_tile = tiling.key_tile // page_size
+    aligned = page_size % tiling.key_tile == 0 or (tiling.key_tile % page_size == 0
+                                                   and pages_per_tile <= _MAX_SCALAR_PAGES)
+    return dataclasses.replace(tiling, scalar_page_ids=tiling.scalar_page_ids and aligned)
 
 
 def _key_ranges(context_len, window_len, first_query, *, tiling, block_size, sliding_window):
-    """Committed [c_lo, c_hi) and window [w_lo, w_hi) key ranges that some query of this tile can see."""
+    """Committed [c_lo, c_lo + count) and window [w_lo, w_lo + count) key ranges some query of this tile can see.
+
+    c_lo is a multiple of key_tile (the sliding-window mask hides the extra keys), so committed tiles are aligned.
+    """
     last_query = first_query + tiling.q_tile - 1
     c_lo, c_hi = jnp.int32(0), context_len
     w_lo = jnp.int32(0)
     w_hi = jnp.minimum(window_len, (last_query // block_size + 1) * block_size)  # block-causal bound
     if sliding_window is not None:
-        c_lo = jnp.maximum(context_len + first_query - sliding_window + 1, 0)
+        c_lo = jnp.maximum(context_len + first_query - sliding_window + 1, 0) // tiling.key_tile * tiling.key_tile
         w_lo = jnp.maximum(first_query - sliding_window + 1, 0)
     return c_lo, jnp.maximum(c_hi - c_lo, 0), w_lo, jnp.maximum(w_hi - w_lo, 0)
 
@@ -195,18 +215,26 @@ def _split_range(num_committed, num_window, split, *, tiling):
 
 
 def _online_softmax_step(carry, q, k, v, visible, *, sm_scale, logit_soft_cap):
-    """Fold one key tile into the running (acc [M, D], row max [M], row sum [M]), all float32."""
+    """Fold one key tile into the running (acc [M, D], row max [M], row sum [M]), all float32.
+
+    Scores are kept in log2 units (natural-log scores times log2(e)), so every exponential is a bare exp2.
+    `visible` is None for a tile every query sees whole.
+    """
     acc, row_max, row_sum = carry
     # HIGHEST keeps f32 inputs in IEEE f32 (Triton's default would be TF32); bf16 dots are unaffected
-    dot = functools.partial(jax.lax.dot_general, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-    scores = dot(q, k, (((1,), (1,)), ((), ()))) * sm_scale
-    if logit_soft_cap is not None:
-        scores = logit_soft_cap * jnp.tanh(scores / logit_soft_cap)
-    # -inf on hidden keys with a finite running max: hidden keys add exp(-inf) = 0 and never a NaN
-    scores = jnp.where(visible, scores, -jnp.inf)
+    dot = functools.partial(jax.lax.dot_general, precision=jax.lax.Precision.HIGHEST,
+                            preferred_element_type=jnp.float32)
+    scores = dot(q, k, (((1,), (1,)), ((), ())))
+    if logit_soft_cap is None:
+        scores = scores * (sm_scale * LOG2E)
+    else:
+        scores = (logit_soft_cap * LOG2E) * jnp.tanh(scores * (sm_scale / logit_soft_cap))
+    if visible is not None:
+        # -inf on hidden keys with a finite running max: hidden keys add exp2(-inf) = 0 and never a NaN
+        scores = jnp.where(visible, scores, -jnp.inf)
     new_max = jnp.maximum(row_max, scores.max(axis=1))
-    rescale = jnp.exp(row_max - new_max)
-    probs = jnp.exp(scores - new_max[:, None])
+    rescale = jnp.exp2(row_max - new_max)
+    probs = jnp.exp2(scores - new_max[:, None])
     row_sum = row_sum * rescale + probs.sum(axis=1)
     pv = dot(probs.astype(v.dtype), v, (((1,), (0,)), ((), ())))
     return acc * rescale[:, None] + pv, new_max, row_sum
@@ -219,11 +247,11 @@ def _paged_attention_kernel(layer_ref, page_table_ref, context_lens_ref, window_
 
     Refs: q_ref [TQ, Gp, D] block; k_ref, v_ref the whole [B, Q, K, D] window K/V; k_pages_ref, v_pages_ref the
     whole pool viewed as [L, K, P*S, D]; out_ref [TQ, Gp, D] (final output, or this split's normalised partial),
-    lse_ref [TQ, Gp] (only with splits: log-sum-exp of this split's scores).
+    lse_ref [TQ, Gp] (only with splits: log2-sum-exp2 of this split's log2-unit scores).
     """
     q_tile, split, kv_head, b = (pl.program_id(axis) for axis in range(4))
     window, head_dim = k_ref.shape[1], k_ref.shape[3]
-    num_rows = tiling.q_tile * tiling.group
+    num_rows, key_tile = tiling.q_tile * tiling.group, tiling.key_tile
     layer, context_len, window_len = layer_ref[0], context_lens_ref[b], window_lens_ref[b]
     page_table_width, num_pool_rows = page_table_ref.shape[1], k_pages_ref.shape[2]
     dtype = q_ref.dtype
@@ -238,18 +266,44 @@ def _paged_attention_kernel(layer_ref, page_table_ref, context_lens_ref, window_
                                                                        tiling=tiling)
     step = functools.partial(_online_softmax_step, sm_scale=sm_scale, logit_soft_cap=logit_soft_cap)
 
-    def committed_tile(t, carry):
-        offset = t * tiling.key_tile + jax.lax.iota(jnp.int32, tiling.key_tile)  # [TK]
-        pos = c_lo + begin + offset
-        valid = offset < committed_count
-        page = page_table_ref[b, jnp.minimum(pos // page_size, page_table_width - 1)]
-        row = jnp.minimum(jnp.maximum(page, 0) * page_size + pos % page_size, num_pool_rows - 1)
-        k = pltriton.load(k_pages_ref.at[layer, kv_head, row[:, None], cols], mask=valid[:, None], other=0.0)
-        v = pltriton.load(v_pages_ref.at[layer, kv_head, row[:, None], cols], mask=valid[:, None], other=0.0)
-        visible = valid[None, :]
+    def first_row_of_page(page_idx):
+        """Pool row of the first slot of this request's page `page_idx` (a scalar)."""
+        page = page_table_ref[b, jnp.minimum(page_idx, page_table_width - 1)]
+        return jnp.clip(page, 0, num_pool_rows // page_size - 1) * page_size
+
+    def load_committed(first_pos, valid):
+        """K, V [TK, D] of committed positions first_pos + [0, TK); rows where `valid` is False are not read."""
+        mask, other = (None, None) if valid is None else (valid[:, None], 0.0)
+        if tiling.scalar_page_ids and page_size % key_tile == 0:  # the tile is a contiguous run of one page's rows
+            start = first_row_of_page(first_pos // page_size) + first_pos % page_size
+            rows = (pl.ds(start, key_tile), slice(None))
+        elif tiling.scalar_page_ids:  # the tile covers a few whole pages: one scalar page id each
+            key_offsets = jax.lax.iota(jnp.int32, key_tile)
+            row = first_row_of_page(first_pos // page_size) + key_offsets
+            for i in range(1, key_tile // page_size):
+                page_rows = first_row_of_page(first_pos // page_size + i) + key_offsets - i * page_size
+                row = jnp.where(key_offsets >= i * page_size, page_rows, row)
+            rows = (row[:, None], cols)
+        else:  # a tile spans many pages: gather the page ids row by row
+            pos = first_pos + jax.lax.iota(jnp.int32, key_tile)
+            page = page_table_ref[b, jnp.minimum(pos // page_size, page_table_width - 1)]
+            row = jnp.minimum(jnp.maximum(page, 0) * page_size + pos % page_size, num_pool_rows - 1)
+            rows = (row[:, None], cols)
+        k = pltriton.load(k_pages_ref.at[(layer, kv_head, *rows)], mask=mask, other=other)
+        v = pltriton.load(v_pages_ref.at[(layer, kv_head, *rows)], mask=mask, other=other)
+        return k.astype(dtype), v.astype(dtype)
+
+    def committed_tile(t, carry, *, whole):
+        """Tile t of this split's committed keys; a `whole` tile lies inside committed_count (no bounds mask)."""
+        key_offsets = jax.lax.iota(jnp.int32, key_tile)  # [TK]
+        first_pos = c_lo + begin + t * key_tile
+        valid = None if whole else t * key_tile + key_offsets < committed_count
+        k, v = load_committed(first_pos, valid)
+        visible = None if whole else valid[None, :]
         if sliding_window is not None:
-            visible = visible & (context_len + query_idx - pos[None, :] < sliding_window)
-        return step(carry, q, k.astype(dtype), v.astype(dtype), visible)
+            in_window = context_len + query_idx - (first_pos + key_offsets)[None, :] < sliding_window
+            visible = in_window if visible is None else visible & in_window
+        return step(carry, q, k, v, visible)
 
     def window_tile(t, carry):
         offset = t * tiling.window_key_tile + jax.lax.iota(jnp.int32, tiling.window_key_tile)  # [TKW]
@@ -265,20 +319,23 @@ def _paged_attention_kernel(layer_ref, page_table_ref, context_lens_ref, window_
 
     carry = (jnp.zeros((num_rows, head_dim), jnp.float32), jnp.full((num_rows,), MASK_VALUE, jnp.float32),
              jnp.zeros((num_rows,), jnp.float32))
-    carry = jax.lax.fori_loop(0, pl.cdiv(committed_count, tiling.key_tile), committed_tile, carry)
+    num_whole_tiles = committed_count // key_tile
+    carry = jax.lax.fori_loop(0, num_whole_tiles, functools.partial(committed_tile, whole=True), carry)
+    carry = jax.lax.fori_loop(num_whole_tiles, pl.cdiv(committed_count, key_tile),  # the ragged last tile
+                              functools.partial(committed_tile, whole=False), carry)
     carry = jax.lax.fori_loop(0, pl.cdiv(window_count, tiling.window_key_tile), window_tile, carry)
     acc, row_max, row_sum = carry
     seen = row_sum > 0  # a row that saw no key (padded slot, empty split) yields zeros
     out = acc / jnp.where(seen, row_sum, 1.0)[:, None]
     out_ref[...] = out.reshape(out_ref.shape).astype(out_ref.dtype)
     if lse_ref:
-        lse = jnp.where(seen, row_max + jnp.log(jnp.where(seen, row_sum, 1.0)), MASK_VALUE)
+        lse = jnp.where(seen, row_max + jnp.log2(jnp.where(seen, row_sum, 1.0)), MASK_VALUE)
         lse_ref[0][...] = lse.reshape(lse_ref[0].shape)
 
 
 def _combine_splits(partial_out, partial_lse):
-    """[N, B, Q, K, G, D] normalised partials + [N, B, Q, K, G] log-sum-exps -> [B, Q, K, G, D] float32."""
-    weights = jnp.exp(partial_lse - partial_lse.max(axis=0))  # empty splits carry MASK_VALUE -> weight 0 (or all 1)
+    """[N, B, Q, K, G, D] normalised partials + [N, B, Q, K, G] log2-sum-exp2s -> [B, Q, K, G, D] float32."""
+    weights = jnp.exp2(partial_lse - partial_lse.max(axis=0))  # empty splits carry MASK_VALUE -> weight 0 (or all 1)
     # an elementwise sum, not an einsum: XLA would lower a contraction over N to a batched GEMM
     return (weights[..., None] * partial_out).sum(axis=0) / weights.sum(axis=0)[..., None]
 

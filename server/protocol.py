@@ -248,7 +248,10 @@ def _read_message(message, index: int) -> dict:
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise invalid(param, f"{param} must be an object with a string role")
     content = message.get("content")
-    is_text_part = lambda p: isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+
+    def is_text_part(part) -> bool:
+        return isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+
     if content is None and message["role"] == "assistant":
         return {**message, "content": ""}
     if not (isinstance(content, str) or (isinstance(content, list) and all(map(is_text_part, content)))):

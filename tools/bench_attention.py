@@ -2,16 +2,25 @@
 
 Achieved bandwidth counts the committed K/V bytes read plus the window's Q/K/V/O bytes, against the copy ceiling
 (a large device-to-device copy, bytes read + written) measured in the same run. Each timed call runs the attention
-once per layer of a pool bigger than L2 inside one jitted fori_loop (as the model's layer scan does), so launch
-overhead and cache hits stay out of the numbers.
+over every layer of a pool bigger than L2, at least 64 calls, inside one jitted fori_loop (as the model's layer loop
+does), so launch overhead and cache hits stay out of the numbers.
 
-    python tools/bench_attention.py --out runs/bench_attention.json
+    python tools/bench_attention.py --out runs/bench_attention.json                  # the issue's sweep, page 32
+    python tools/bench_attention.py --tune --baseline old_paged_attention.py         # tile variants, old vs new
+    XLA_FLAGS=--xla_dump_to=/tmp/xd python tools/bench_attention.py --ptx-stats /tmp/xd  # what Triton emitted
 """
 
 import argparse
+import concurrent.futures
 import functools
+import glob
+import importlib.util
 import json
 import math
+import os
+import re
+import shutil
+import subprocess
 import time
 
 import jax
@@ -22,11 +31,26 @@ from jaxllm.kernels import paged_attention as pa
 
 MODELS = {"llada2-mini": (16, 4, 128), "sdar-8b": (32, 8, 128)}  # query heads, kv heads, head dim
 POOL_BYTES_TARGET = 512 * 2**20  # several times the H200's 60 MB L2
+MIN_CALLS_PER_SWEEP = 64
+IMPL_LABELS = {"pallas": "pallas", "xla": "xla", "baseline": "baseline", "floor": "loop floor"}
+
+# (model, batch, context) -> {variant name: tiling overrides}; "baseline" times the --baseline kernel file and
+# "pool_4.5GiB" the default tiling on K and V pools of 4.5 GiB each (Pallas then computes 64-bit offsets)
+GENERAL_VARIANTS = {
+    "default": {}, "baseline": {}, "pool_4.5GiB": {}, "stages3": {"num_stages": 3}, "stages7": {"num_stages": 7},
+    "warps4": {"num_warps": 4}, "key_tile32": {"key_tile": 32}, "gather_page_ids": {"scalar_page_ids": False},
+    "q_tile16_warps4_stages3": {"q_tile": 16, "num_warps": 4, "num_stages": 3},
+    "q_tile16_warps4_stages5": {"q_tile": 16, "num_warps": 4, "num_stages": 5},
+}
+SPLIT_VARIANTS = {"default": {}, "baseline": {}, **{f"splits{n}": {"num_splits": n} for n in (1, 2, 4, 8, 16)},
+                  "splits8_q_tile16_warps4": {"num_splits": 8, "q_tile": 16, "num_warps": 4}}
+TUNE_SHAPES = {("llada2-mini", 8, 8192): GENERAL_VARIANTS, ("sdar-8b", 1, 512): SPLIT_VARIANTS,
+               ("llada2-mini", 1, 2048): {"default": {}, "baseline": {}, "splits4": {"num_splits": 4},
+                                          "splits8": {"num_splits": 8}, "splits32": {"num_splits": 32}}}
 
 
-def median_seconds(fn, *, min_reps=3, max_reps=30, budget_s=0.3):
-    jax.block_until_ready(fn())  # compile + warm-up
-    jax.block_until_ready(fn())
+def median_seconds(fn, *, min_reps=3, max_reps=20, budget_s=0.2):
+    jax.block_until_ready(fn())  # warm-up (compiled before)
     start = time.perf_counter()
     jax.block_until_ready(fn())
     reps = int(min(max_reps, max(min_reps, budget_s / max(time.perf_counter() - start, 1e-6))))
@@ -44,12 +68,13 @@ def copy_ceiling_bytes_per_s():
     return 2 * x.nbytes / median_seconds(lambda: copy(x), min_reps=10)
 
 
-def make_problem(model, batch, context, window, page_size, dtype=jnp.bfloat16, seed=0):
+def make_problem(model, batch, context, window, page_size, *, pool_bytes=POOL_BYTES_TARGET, dtype=jnp.bfloat16,
+                 seed=0):
     """Random pool with shuffled pages; every request has `context` committed tokens and a full window."""
     num_heads, num_kv_heads, head_dim = MODELS[model]
     pages_per_request = -(-(context + window) // page_size)
     layer_bytes = 2 * batch * pages_per_request * page_size * num_kv_heads * head_dim * 2
-    num_layers = int(np.clip(math.ceil(POOL_BYTES_TARGET / layer_bytes), 2, 64))
+    num_layers = int(np.clip(math.ceil(pool_bytes / layer_bytes), 2, 256))
     num_pages = batch * pages_per_request
     keys = jax.random.split(jax.random.key(seed), 5)
     pool_shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
@@ -77,107 +102,142 @@ def visible_pairs(context, window, block_size):
     return sum(context + min(window, (i // block_size + 1) * block_size) for i in range(window))
 
 
-def time_attention(problem, *, impl, block_size, tiling_overrides=None):
-    """Seconds per attention call, median over calls that each sweep every layer of the pool."""
-    num_layers = problem["k_pages"].shape[0]
-    if impl == "pallas":
-        attention = lambda *a: pa._paged_attention_pallas(
+def load_kernel_module(path):
+    """A paged_attention module from a file (e.g. the previous commit's), for side-by-side timing."""
+    spec = importlib.util.spec_from_file_location("baseline_paged_attention", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def attention_fn(impl, block_size, tiling_overrides=None, baseline=None):
+    """attention(q, k, v, k_pages, v_pages, layer, page_table, context_lens, window_lens) for one impl."""
+    if impl in ("pallas", "baseline"):
+        module = pa if impl == "pallas" else baseline
+        return lambda *a: module._paged_attention_pallas(
             *a, block_size=block_size, sm_scale=a[0].shape[-1] ** -0.5, sliding_window=None, logit_soft_cap=None,
             interpret=jax.default_backend() != "gpu", tiling_overrides=tiling_overrides)
-    elif impl == "floor":  # one tiny elementwise op per layer: what the layer loop itself costs
-        attention = lambda x, *a: x * 0.999
-    else:
-        attention = lambda *a: pa.paged_attention(*a, block_size=block_size, impl=impl)
+    if impl == "floor":  # one tiny elementwise op per layer: what the layer loop itself costs
+        return lambda x, *a: x * 0.999
+    if impl == "xla":
+        return lambda *a: pa.paged_attention(*a, block_size=block_size, impl="reference")
+    raise ValueError(f"unknown impl {impl!r}")
 
-    @jax.jit
+
+PROBLEM_ARGS = ("q", "k", "v", "k_pages", "v_pages", "page_table", "context_lens", "window_lens")
+
+
+def calls_per_sweep(problem) -> int:
+    """Attention calls in one timed call: every layer of the pool, repeated until there are at least
+    MIN_CALLS_PER_SWEEP, so one dispatch and sync (~0.1 ms) stay a small share even for a few large layers."""
+    num_layers = problem["k_pages"].shape[0]
+    return num_layers * -(-MIN_CALLS_PER_SWEEP // num_layers)
+
+
+def compile_sweep(problem, attention):
+    """A compiled call that runs `attention` over the pool's layers calls_per_sweep times in all, each call's q
+    being the last output."""
+    num_layers = problem["k_pages"].shape[0]
+
     def sweep(q, k, v, k_pages, v_pages, page_table, context_lens, window_lens):
-        def layer_step(layer, x):  # the next layer's queries depend on this layer's output
-            return attention(x, k, v, k_pages, v_pages, layer, page_table, context_lens, window_lens)
-        return jax.lax.fori_loop(0, num_layers, layer_step, q)
+        def layer_step(step, x):
+            return attention(x, k, v, k_pages, v_pages, step % num_layers, page_table, context_lens, window_lens)
+        return jax.lax.fori_loop(0, calls_per_sweep(problem), layer_step, q)
 
-    args = [problem[name] for name in ("q", "k", "v", "k_pages", "v_pages", "page_table", "context_lens",
-                                       "window_lens")]
-    return median_seconds(lambda: sweep(*args)) / num_layers
+    return jax.jit(sweep).lower(*(problem[name] for name in PROBLEM_ARGS)).compile()
 
 
-def measure(problem, row, impl, block_size, **overrides):
-    """Seconds per call, or None with the error recorded in `row` (one broken variant must not end the run)."""
-    try:
-        return time_attention(problem, impl=impl, block_size=block_size, tiling_overrides=overrides or None)
-    except Exception as error:  # noqa: BLE001 - report and go on
-        row[f"{impl}_error"] = f"{type(error).__name__}: {str(error)[:300]}"
-        return None
+def time_variants(problem, attentions):
+    """{name: seconds per attention call or an error string}; compiles run in parallel threads, timing serially."""
+    num_calls = calls_per_sweep(problem)
+    args = [problem[name] for name in PROBLEM_ARGS]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+        futures = {name: pool.submit(compile_sweep, problem, attention) for name, attention in attentions.items()}
+    results = {}
+    for name, future in futures.items():
+        try:  # one broken variant must not end the run
+            results[name] = median_seconds(functools.partial(future.result(), *args)) / num_calls
+        except Exception as error:  # noqa: BLE001 - report and go on
+            results[name] = f"{type(error).__name__}: {str(error)[:300]}"
+    return results
+
+
+def rate_cells(seconds, bytes_moved, ceiling):
+    if not isinstance(seconds, float):
+        return {"error": seconds}
+    rate = bytes_moved / seconds
+    return {"us": seconds * 1e6, "tbps": rate / 1e12, "pct_ceiling": 100 * rate / ceiling}
 
 
 def decode_shapes(args):
     """Shapes in priority order: the target region (batch >= 8, context >= 2k) first."""
     shapes = args.shapes or [(m, b, c) for b in args.batches for c in args.contexts for m in args.models]
-    return sorted(shapes, key=lambda shape: not (shape[1] >= 8 and shape[2] >= 2048))
+    shapes = [(page, *shape) for page in args.page_sizes for shape in shapes]
+    return sorted(shapes, key=lambda shape: not (shape[2] >= 8 and shape[3] >= 2048))
 
 
-def decode_rows(args, ceiling, deadline):
+def decode_rows(args, ceiling, deadline, baseline):
     rows = []
-    for model, batch, context in decode_shapes(args):
+    for page_size, model, batch, context in decode_shapes(args):
         if time.perf_counter() > deadline:
-            print(f"time budget reached before {model} B={batch} ctx={context}", flush=True)
+            print(f"time budget reached before page {page_size} {model} B={batch} ctx={context}", flush=True)
             break
-        problem = make_problem(model, batch, context, args.block_size, args.page_size)
-        row = {"model": model, "batch": batch, "context": context, "bytes": useful_bytes(problem, context)}
-        for impl in args.impls:
-            seconds = measure(problem, row, impl, args.block_size)
-            if seconds:
-                row[impl] = {"us": seconds * 1e6, "gbps": row["bytes"] / seconds / 1e9,
-                             "pct_ceiling": 100 * row["bytes"] / seconds / ceiling}
+        problem = make_problem(model, batch, context, args.block_size, page_size)
+        bytes_moved = useful_bytes(problem, context)
+        row = {"model": model, "page_size": page_size, "batch": batch, "context": context, "bytes": bytes_moved}
+        seconds = time_variants(problem, {impl: attention_fn(impl, args.block_size, baseline=baseline)
+                                          for impl in args.impls})
+        row.update({impl: rate_cells(s, bytes_moved, ceiling) for impl, s in seconds.items()})
         print(json.dumps(row), flush=True)
         rows.append(row)
         del problem
-    return sorted(rows, key=lambda row: (row["model"], row["batch"], row["context"]))
+    return sorted(rows, key=lambda row: (row["page_size"], row["model"], row["batch"], row["context"]))
 
 
 def prefill_rows(args, ceiling, deadline):
     rows = []
-    window = args.prefill_window
+    window, page_size = args.prefill_window, args.page_sizes[0]
     for context in args.prefill_contexts:
         if time.perf_counter() > deadline:
             break
-        problem = make_problem("llada2-mini", 1, context, window, args.page_size)
+        problem = make_problem("llada2-mini", 1, context, window, page_size)
         num_heads, head_dim = problem["q"].shape[2:]
         flops = 4 * head_dim * num_heads * visible_pairs(context, window, args.block_size)
-        row = {"model": "llada2-mini", "batch": 1, "window": window, "context": context,
-               "bytes": useful_bytes(problem, context), "flops": flops}
-        for impl in args.impls:
-            seconds = measure(problem, row, impl, args.block_size)
-            if seconds:
-                row[impl] = {"us": seconds * 1e6, "tflops": flops / seconds / 1e12,
-                             "pct_ceiling": 100 * row["bytes"] / seconds / ceiling}
+        row = {"model": "llada2-mini", "page_size": page_size, "batch": 1, "window": window, "context": context,
+               "flops": flops}
+        seconds = time_variants(problem, {impl: attention_fn(impl, args.block_size) for impl in ("pallas", "xla")})
+        for impl, s in seconds.items():
+            row[impl] = {"us": s * 1e6, "tflops": flops / s / 1e12} if isinstance(s, float) else {"error": s}
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
 
 
-TUNING_VARIANTS = {
-    "default": {},
-    "warps4": {"num_warps": 4},
-    "q_tile16_warps4": {"q_tile": 16, "num_warps": 4},
-    "key_tile32": {"key_tile": 32},
-    "key_tile128": {"key_tile": 128},
-}
-
-
-def tuning_rows(args, ceiling, deadline):
-    """Tile-size variants of the Pallas kernel at target shapes (LLaDA2.0-mini heads)."""
+def tuning_rows(args, ceiling, deadline, baseline):
+    """Tiling variants of the Pallas kernel (and the baseline file) at fixed shapes."""
     rows = []
-    for batch, context in args.tune_shapes:
-        problem = make_problem("llada2-mini", batch, context, args.block_size, args.page_size)
-        default = pa._choose_tiling(problem["q"], args.page_size, problem["page_table"].shape[1], 4, None)
-        variants = dict(TUNING_VARIANTS)
-        for name, overrides in variants.items():
-            if time.perf_counter() > deadline:
-                return rows
-            row = {"batch": batch, "context": context, "variant": name, "tiling": {**vars(default), **overrides}}
-            seconds = measure(problem, row, "pallas", args.block_size, **overrides)
-            if seconds:
-                row.update(us=seconds * 1e6, pct_ceiling=100 * useful_bytes(problem, context) / seconds / ceiling)
+    page_size = args.page_sizes[0]
+    for (model, batch, context), variants in TUNE_SHAPES.items():
+        if time.perf_counter() > deadline:
+            break
+        variants = {name: overrides for name, overrides in variants.items() if name != "baseline" or baseline}
+        problem = make_problem(model, batch, context, args.block_size, page_size)
+        table_args = (problem["q"], page_size, problem["page_table"].shape[1], problem["k"].shape[2])
+        tilings = {name: vars((baseline if name == "baseline" else pa)._choose_tiling(*table_args, overrides or None))
+                   for name, overrides in variants.items()}
+        seconds = time_variants(problem, {
+            name: attention_fn("baseline" if name == "baseline" else "pallas", args.block_size, overrides or None,
+                               baseline)
+            for name, overrides in variants.items() if name != "pool_4.5GiB"})
+        bytes_moved = useful_bytes(problem, context)
+        if "pool_4.5GiB" in variants:
+            del problem
+            problem = make_problem(model, batch, context, args.block_size, page_size, pool_bytes=9 * 2**30)
+            seconds.update(time_variants(problem, {"pool_4.5GiB": attention_fn("pallas", args.block_size)}))
+        del problem
+        for name, s in seconds.items():
+            row = {"model": model, "page_size": page_size, "batch": batch, "context": context, "variant": name,
+                   "tiling": tilings[name], **rate_cells(s, bytes_moved, ceiling)}
             print(json.dumps(row), flush=True)
             rows.append(row)
     return rows
@@ -216,37 +276,76 @@ def page_write_row(num_pages):
             "pool_gib": 2 * pools[0].nbytes / 2**30}
 
 
-def _cells(row, impl, rate_key, scale):
-    result = row.get(impl)
-    if not result:
-        return f"{'failed' if impl + '_error' in row else '-':>9} {'-':>6} {'-':>5}"
-    return f"{result['us']:>9.1f} {result[rate_key] * scale:>6.2f} {result['pct_ceiling']:>5.0f}"
+PTX_PATTERNS = {  # instruction families worth knowing about in the kernel's PTX (static counts)
+    "wgmma": r"wgmma\.mma_async", "mma.sync": r"\bmma\.sync", "cp.async": r"cp\.async\.c[ag]",
+    "tma": r"cp\.async\.bulk", "ld.global": r"ld\.global", "ld.global.v4": r"ld\.global[.\w]*\.v4",
+    "ld.shared": r"ld\.shared", "st.shared": r"st\.shared", "ldmatrix": r"ldmatrix", "stmatrix": r"stmatrix",
+    "ex2": r"ex2\.approx", "local (spills)": r"(ld|st)\.local", "bar.sync": r"bar\.sync|barrier\.sync",
+    "shfl": r"shfl\.sync", "64-bit int math": r"(mad|mul|add)\.(lo\.|wide\.)?[su]64",
+}
 
 
-def print_tables(ceiling, decode, prefill, write, tuning):
-    print(f"\ncopy ceiling {ceiling / 1e12:.2f} TB/s (read + write); page write (1 block, {write['pool_gib']:.0f} GiB "
-          f"donated pool) {write['write_us']:.0f} us per dispatch, {write['write_in_loop_us']:.1f} us inside a jitted loop;"
-          f" pool copy {write['pool_copy_us']:.0f} us")
+def ptx_stats(dump_dir):
+    """Static instruction counts (and ptxas's register/spill report) of the Pallas kernel in XLA's PTX dump."""
+    stats = []
+    for path in sorted(glob.glob(os.path.join(dump_dir, "**", "*.ptx"), recursive=True)):
+        text = open(path).read()
+        for match in re.finditer(r"\.entry\s+(\w*paged\w*)\s*\(", text):
+            end = text.find(".entry", match.end())
+            body = text[match.start():end if end >= 0 else len(text)]
+            counts = {name: len(re.findall(pattern, body)) for name, pattern in PTX_PATTERNS.items()}
+            stats.append({"file": os.path.basename(path), "kernel": match.group(1), **counts,
+                          "ptxas": ptxas_report(path, match.group(1))})
+    return stats
+
+
+def ptxas_report(path, kernel):
+    ptxas = shutil.which("ptxas") or next(iter(glob.glob("/usr/local/cuda*/bin/ptxas")), None)
+    if not ptxas:
+        return "ptxas not found"
+    result = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.devnull], capture_output=True, text=True)
+    lines = result.stderr.splitlines()
+    found = [i for i, line in enumerate(lines) if kernel in line]
+    return " | ".join(lines[found[0]:found[0] + 4]) if found else result.stderr[-400:]
+
+
+def _cells(cells):
+    if not cells or "us" not in cells:
+        return f"{'failed' if cells else '-':>9} {'-':>6} {'-':>5}"
+    return f"{cells['us']:>9.1f} {cells['tbps']:>6.2f} {cells['pct_ceiling']:>5.0f}"
+
+
+def print_tables(ceiling, decode, prefill, tuning, impls):
+    print(f"\ncopy ceiling {ceiling / 1e12:.2f} TB/s (read + write, 1 GiB f32)")
     for row in tuning:
-        print(f"tune B={row['batch']} ctx={row['context']} {row['variant']:12} "
-              f"{row.get('us', float('nan')):8.1f} us {row.get('pct_ceiling', float('nan')):4.0f}% ceiling")
-    print(f"{'model':12} {'B':>3} {'ctx':>6} {'MB':>7} | {'pallas us':>9} {'TB/s':>6} {'%ceil':>5} | "
-          f"{'xla us':>9} {'TB/s':>6} {'%ceil':>5} | {'speedup':>7}")
+        print(f"tune {row['model']:11} p{row['page_size']} B={row['batch']:<2} ctx={row['context']:<5} "
+              f"{row['variant']:24} {row.get('us', float('nan')):8.1f} us {row.get('pct_ceiling', float('nan')):4.0f}%"
+              f" ceiling {row.get('error', '')[:80]}")
+    others = [impl for impl in impls if impl != "pallas"]  # each with its time over the Pallas kernel's
+    if decode:
+        print(f"{'model':11} {'page':>4} {'B':>3} {'ctx':>6} {'MB':>7} | {'pallas us':>9} {'TB/s':>6} {'%ceil':>5} | "
+              + " | ".join(f"{IMPL_LABELS[impl] + ' us':>9} {'TB/s':>6} {'%ceil':>5} {'x':>5}" for impl in others))
     for row in decode:
-        pallas, xla = row.get("pallas"), row.get("reference")
-        speedup = xla["us"] / pallas["us"] if pallas and xla else float("nan")
-        floor = f" | floor {row['floor']['us']:.1f} us" if "floor" in row else ""
-        print(f"{row['model']:12} {row['batch']:>3} {row['context']:>6} {row['bytes'] / 1e6:>7.1f} | "
-              f"{_cells(row, 'pallas', 'gbps', 1e-3)} | {_cells(row, 'reference', 'gbps', 1e-3)} | {speedup:>7.1f}{floor}")
-    print(f"prefill B=1 Q={prefill[0]['window'] if prefill else '-'} (LLaDA2.0-mini heads): pallas us, TFLOP/s, %ceil"
-          f" | xla us, TFLOP/s, %ceil")
+        pallas = row.get("pallas", {})
+        cells = []
+        for impl in others:
+            other = row.get(impl, {})
+            ratio = other["us"] / pallas["us"] if "us" in other and "us" in pallas else float("nan")
+            cells.append(f"{_cells(other)} {ratio:>5.1f}")
+        print(f"{row['model']:11} {row['page_size']:>4} {row['batch']:>3} {row['context']:>6} "
+              f"{row['bytes'] / 1e6:>7.1f} | {_cells(pallas)} | " + " | ".join(cells))
     for row in prefill:
-        print(f"  ctx {row['context']:>6} | {_cells(row, 'pallas', 'tflops', 1)} | "
-              f"{_cells(row, 'reference', 'tflops', 1)}")
+        pallas, xla = row.get("pallas", {}), row.get("xla", {})
+        print(f"prefill B=1 Q={row['window']} ctx {row['context']:>5} (LLaDA2.0-mini heads): pallas "
+              f"{pallas.get('us', float('nan')):.1f} us {pallas.get('tflops', float('nan')):.0f} TFLOP/s | xla "
+              f"{xla.get('us', float('nan')):.1f} us {xla.get('tflops', float('nan')):.0f} TFLOP/s")
+
+
+def ints(text):
+    return [int(x) for x in text.split(",")]
 
 
 def parse_args():
-    ints = lambda s: [int(x) for x in s.split(",")]
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", type=lambda s: s.split(","), default=list(MODELS))
     parser.add_argument("--batches", type=ints, default=[1, 8, 32, 64])
@@ -255,34 +354,61 @@ def parse_args():
                                                      (x.split(":") for x in s.split(","))],
                         help="MODEL:BATCHxCONTEXT,... instead of the models x batches x contexts grid")
     parser.add_argument("--block-size", type=int, default=32)
-    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--page-sizes", type=ints, default=[32], help="the engine runs page = block = 32")
+    parser.add_argument("--impls", type=lambda s: s.split(","), default=["pallas", "xla"],
+                        help="pallas, xla, baseline, floor; the table gives each one's time over pallas's")
+    parser.add_argument("--baseline", help="a paged_attention.py file (e.g. the previous commit's) for impl baseline")
+    parser.add_argument("--no-decode", action="store_true", help="skip the decode sweep")
     parser.add_argument("--prefill-window", type=int, default=512)
-    parser.add_argument("--prefill-contexts", type=ints, default=[0, 1024, 4096])
-    parser.add_argument("--impls", type=lambda s: s.split(","), default=["pallas", "reference"])
-    parser.add_argument("--write-pool-pages", type=int, default=16384, help="pages per layer in the write test")
-    parser.add_argument("--tune-shapes", type=lambda s: [tuple(ints(x.replace("x", ","))) for x in s.split(",")],
-                        default=[], help="BATCHxCONTEXT,... at which to time tile-size variants first, e.g. 8x8192")
-    parser.add_argument("--time-budget", type=float, default=240.0,
+    parser.add_argument("--prefill-contexts", type=ints, default=[], help="e.g. 0,1024,4096")
+    parser.add_argument("--tune", action="store_true", help="time the tiling variants of TUNE_SHAPES first")
+    parser.add_argument("--page-write", type=int, metavar="NUM_PAGES", default=0,
+                        help="also time one block write into a donated pool pair of NUM_PAGES pages (16384: 4 GiB)")
+    parser.add_argument("--ptx-stats", metavar="DUMP_DIR",
+                        help="compile the kernel at the first --shapes entry and report its PTX from XLA's dump there "
+                             "(run with XLA_FLAGS=--xla_dump_to=DUMP_DIR)")
+    parser.add_argument("--time-budget", type=float, default=150.0,
                         help="seconds from the start after which no new shape is started")
     parser.add_argument("--out", help="write every measurement to this JSON file")
     return parser.parse_args()
+
+
+def print_ptx_stats(args):
+    model, batch, context = (args.shapes or [("llada2-mini", 8, 8192)])[0]
+    problem = make_problem(model, batch, context, args.block_size, args.page_sizes[0])
+    compile_sweep(problem, attention_fn("pallas", args.block_size))
+    rows = ptx_stats(args.ptx_stats)
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    if not rows:
+        ptx_files = glob.glob(os.path.join(args.ptx_stats, "**", "*.ptx"), recursive=True)
+        entries = [re.findall(r"\.entry\s+(\w+)", open(path).read()) for path in ptx_files]
+        print(f"no *paged* kernel in {len(ptx_files)} PTX files; entries: {entries}"[:2000])
 
 
 def main():
     args = parse_args()
     start = time.perf_counter()
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
+    if args.ptx_stats:
+        return print_ptx_stats(args)
+    baseline = load_kernel_module(args.baseline) if args.baseline else None
     ceiling = copy_ceiling_bytes_per_s()
-    write = page_write_row(args.write_pool_pages)
     deadline = start + args.time_budget
-    tuning = tuning_rows(args, ceiling, deadline) if args.tune_shapes else []
-    decode = decode_rows(args, ceiling, deadline)
+    tuning = tuning_rows(args, ceiling, deadline, baseline) if args.tune else []
+    decode = [] if args.no_decode else decode_rows(args, ceiling, deadline, baseline)
     prefill = prefill_rows(args, ceiling, deadline)
+    write = page_write_row(args.page_write) if args.page_write else None
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"ceiling_bytes_per_s": ceiling, "page_write": write, "tuning": tuning, "decode": decode,
-                       "prefill": prefill, "device": jax.devices()[0].device_kind}, f, indent=1)
-    print_tables(ceiling, decode, prefill, write, tuning)
+            json.dump({"ceiling_bytes_per_s": ceiling, "tuning": tuning, "decode": decode, "prefill": prefill,
+                       "page_write": write, "device": jax.devices()[0].device_kind, "jax": jax.__version__}, f,
+                      indent=1)
+    print_tables(ceiling, decode, prefill, tuning, args.impls)
+    if write:
+        print(f"page write (one block, {write['pool_gib']:.1f} GiB donated pool pair): {write['write_us']:.0f} us per "
+              f"dispatch, {write['write_in_loop_us']:.1f} us inside a jitted loop; "
+              f"pool copy {write['pool_copy_us']:.0f} us")
 
 
 if __name__ == "__main__":

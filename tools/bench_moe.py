@@ -155,10 +155,10 @@ def make_weights(seed):
 
 
 def make_batch(num_tokens, seed):
-    keys = jax.random.split(jax.random.key(seed), 3)
+    keys = jax.random.split(jax.random.key(seed), 2)
     x = jax.random.normal(keys[0], (num_tokens, HIDDEN), jnp.bfloat16)
     logits = jax.random.normal(keys[1], (num_tokens, EXPERTS), jnp.float32)
-    bias = 0.1 * jax.random.normal(keys[2], (EXPERTS,), jnp.float32)
+    bias = jnp.zeros((EXPERTS,), jnp.float32)  # a load-balanced router: every expert equally likely
     expert_weights, expert_ids = route_grouped_sigmoid(logits, bias, top_k=TOP_K, n_group=8, topk_group=4,
                                                        routed_scaling_factor=2.5, norm_topk_prob=True)
     return x, expert_ids, expert_weights

@@ -6,18 +6,34 @@
 Reports output tokens/s, forward passes/s, time per forward, and the floor of one forward: the bytes of weights (only
 the experts the batch's tokens touch, for MoE) and KV it must read over the copy bandwidth, and its FLOPs over the
 matmul rate; the floor is the larger of the two. Use fixed_steps so tokens per forward is known.
+
+For MoE models the touched experts are counted, not assumed: the benchmark's own windows (prompt + generated block,
+with a random subset of the block still masked, at several denoising steps) are routed through the model and the
+distinct experts per layer of the whole batch are averaged. `--steps-per-round` re-times the run at other step caps
+(a runtime value: nothing recompiles) to show what each return to the host costs.
 """
 
 import argparse
+import functools
 import json
 import pathlib
 import tempfile
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.config import ModelConfig
+from jaxllm.models.layers import DenseMetadata
+from tools.device_profile import device_kernel_times, print_kernel_table
+
+PROFILE_SCOPES = ("paged_attention", "moe_experts", "lm_head", "sampler")
+COLUMNS = ["model", "batch", "block_size", "steps_per_round", "rounds", "seconds", "output_tokens_per_s",
+           "forwards_per_s", "tokens_per_forward", "ms_per_forward", "experts_touched", "floor_ms", "floor_bound",
+           "gb_per_forward", "floor_ratio"]
 
 COPY_BANDWIDTH = 4.1e12  # B/s, H200 device-to-device copy (read + write), measured
 MATMUL_RATE = 790e12  # FLOP/s, H200 bf16 matmul, measured
@@ -29,8 +45,9 @@ def touched_experts(num_experts: int, top_k: int, num_tokens: int) -> float:
 
 
 def forward_floor(cfg: ModelConfig, batch: int, window: int, context: int, weight_bytes: int = 2,
-                  kv_bytes: int = 2) -> dict:
-    """Bytes that must move and FLOPs that must run in one denoising forward."""
+                  kv_bytes: int = 2, experts_touched: float | None = None) -> dict:
+    """Bytes that must move and FLOPs that must run in one denoising forward; experts_touched (per MoE layer)
+    defaults to the expectation under uniform routing."""
     tokens = batch * window
     hidden, head = cfg.hidden_size, cfg.head_dim
     attention = hidden * (cfg.num_heads + 2 * cfg.num_kv_heads) * head + cfg.num_heads * head * hidden
@@ -43,7 +60,9 @@ def forward_floor(cfg: ModelConfig, batch: int, window: int, context: int, weigh
         expert = 3 * hidden * moe.moe_intermediate_size
         moe_layer = attention + hidden * moe.num_experts + moe.num_shared_experts * expert  # + router, shared
         fixed = moe.first_k_dense_replace * dense_layer + num_moe * moe_layer + lm_head
-        params_read = fixed + num_moe * touched_experts(moe.num_experts, moe.num_experts_per_tok, tokens) * expert
+        if experts_touched is None:
+            experts_touched = touched_experts(moe.num_experts, moe.num_experts_per_tok, tokens)
+        params_read = fixed + num_moe * experts_touched * expert
         params_per_token = fixed + num_moe * moe.num_experts_per_tok * expert
     kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * head * kv_bytes
     bytes_moved = params_read * weight_bytes + (batch * context + tokens) * kv_per_token
@@ -53,24 +72,67 @@ def forward_floor(cfg: ModelConfig, batch: int, window: int, context: int, weigh
                 bound="memory" if memory_s >= compute_s else "compute")
 
 
-def run(llm: LLM, num_prompts: int, input_len: int, output_len: int, seed: int) -> dict:
+def random_prompts(llm: LLM, num_prompts: int, input_len: int, seed: int) -> list[list[int]]:
     rng = np.random.default_rng(seed)
-    vocab = len(llm.engine.tokenizer)
-    prompts = [rng.integers(4, vocab, input_len).tolist() for _ in range(num_prompts)]
-    params = SamplingParams(max_tokens=output_len, ignore_eos=True)
-    llm.generate(prompts, params)  # the same greedy run first: it compiles every shape the timed run meets
+    return [rng.integers(4, len(llm.engine.tokenizer), input_len).tolist() for _ in range(num_prompts)]
+
+
+def run(llm: LLM, prompts: list[list[int]], output_len: int, steps_per_round: int | None = None) -> dict:
+    """Time one generate of the prompts; the first call of a shape must come after a warm-up generate."""
     engine = llm.engine
-    forwards_before, decode_before = engine.num_forwards, engine.decode_time
+    if steps_per_round is not None:
+        engine.runner.max_steps_per_round = steps_per_round
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    forwards_before, decode_before, rounds_before = engine.num_forwards, engine.decode_time, engine.num_decode_rounds
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
     forwards = engine.num_forwards - forwards_before
     decode_time = engine.decode_time - decode_before
     generated = sum(len(o.token_ids) for o in outputs)
-    return dict(num_prompts=num_prompts, input_len=input_len, output_len=output_len, seconds=round(elapsed, 3),
+    return dict(num_prompts=len(prompts), input_len=len(prompts[0]), output_len=output_len,
+                steps_per_round=engine.runner.max_steps_per_round, seconds=round(elapsed, 3),
                 output_tokens_per_s=round(generated / elapsed, 1), forwards=forwards,
-                forwards_per_s=round(forwards / decode_time, 2), ms_per_forward=round(1e3 * decode_time / forwards, 3),
-                tokens_per_forward=round(np.mean([o.stats["tokens_per_forward"] for o in outputs]), 3))
+                rounds=engine.num_decode_rounds - rounds_before, forwards_per_s=round(forwards / decode_time, 2),
+                ms_per_forward=round(1e3 * decode_time / forwards, 3),
+                tokens_per_forward=round(np.mean([o.stats["tokens_per_forward"] for o in outputs]), 3),
+                outputs=[o.token_ids for o in outputs])
+
+
+def measured_touched_experts(llm: LLM, prompts: list[list[int]], outputs: list[list[int]], seed: int,
+                             num_states: int = 8) -> float | None:
+    """Distinct experts per MoE layer that one denoising forward of this batch routes to, averaged over layers and
+    over num_states denoising states (each: prompt + its first generated block, a random part still masked)."""
+    engine = llm.engine
+    block, mask_id = engine.block_size, engine.mask_token_id
+    length = len(prompts[0]) + block
+    block_ids = np.arange(length) // block
+    mask = jnp.asarray(block_ids[:, None] >= block_ids[None, :])[None]  # block-causal, as prefill + decode see it
+    positions = jnp.arange(length, dtype=jnp.int32)[None]
+
+    @jax.jit
+    def route(params, tokens):  # i32[1, length] -> {layer path: i32[block, top_k]} window tokens' experts
+        model = nnx.merge(engine.runner.graphdef, params)
+        model(tokens, None, DenseMetadata(positions, mask))
+        routed = nnx.pop(model, nnx.Intermediate)
+        return [ids[0][-block:] for ids in jax.tree.leaves(routed)]
+
+    rng = np.random.default_rng(seed)
+    per_state = []
+    for state in range(num_states):
+        still_masked = rng.permutation(block)[:block - state * block // num_states]  # the same in every request
+        used = None
+        for prompt, output in zip(prompts, outputs):
+            window = np.array(output[:block])
+            window[still_masked] = mask_id
+            layers = route(engine.runner.params, jnp.asarray([prompt + window.tolist()], jnp.int32))
+            hits = [np.bincount(np.asarray(ids).ravel(), minlength=engine.model_config.moe.num_experts) > 0
+                    for ids in layers]
+            used = hits if used is None else [u | h for u, h in zip(used, hits)]
+        if not used:
+            return None
+        per_state.append(np.mean([u.sum() for u in used]))
+    return float(np.mean(per_state))
 
 
 def model_dir_for(args) -> pathlib.Path:
@@ -98,25 +160,46 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--quantization", choices=["int8", "fp8"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps-per-round", type=int, nargs="*", default=[],
+                        help="also time these step caps (denoising steps per device call) at each batch size")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="profile one more run per batch size and print the N slowest kernels (GPU)")
     parser.add_argument("--json", help="append one JSON line per run to this file")
     args = parser.parse_args()
 
     model_dir = model_dir_for(args)
     llm = make_llm(args, model_dir, max(args.batch))  # one engine: weights made once, a compile per batch size
     cfg = llm.engine.model_config
-    results = []
+    default_cap = llm.engine.runner.max_steps_per_round
+    print(" | ".join(COLUMNS), flush=True)  # rows print as they finish: a run cut short keeps what it measured
     for batch in args.batch:
-        result = run(llm, args.num_prompts or batch, args.input_len, args.output_len, args.seed)
+        prompts = random_prompts(llm, args.num_prompts or batch, args.input_len, args.seed)
+        run(llm, prompts, args.output_len)  # the same greedy run first: it compiles every shape the timed run meets
+        runs = [run(llm, prompts, args.output_len, cap) for cap in [default_cap, *args.steps_per_round]]
+        experts = None
+        if cfg.moe is not None:
+            experts = measured_touched_experts(llm, prompts, runs[0]["outputs"], args.seed)
         floor = forward_floor(cfg, batch, llm.engine.block_size, args.input_len + args.output_len // 2,
-                              weight_bytes=1 if args.quantization else 2)
-        result |= dict(model=cfg.model_type, batch=batch, block_size=llm.engine.block_size, floor_ms=round(
-            floor["floor_ms"], 3), floor_bound=floor["bound"], gb_per_forward=round(floor["bytes"] / 1e9, 2),
-            floor_ratio=round(result["ms_per_forward"] / floor["floor_ms"], 2), quantization=args.quantization)
-        results.append(result)
-        if args.json:
-            with open(args.json, "a") as f:
-                f.write(json.dumps(result) + "\n")
-    print_table(results)
+                              weight_bytes=1 if args.quantization else 2, experts_touched=experts)
+        for result in runs:
+            del result["outputs"]
+            result |= dict(model=cfg.model_type, batch=batch, block_size=llm.engine.block_size,
+                           experts_touched=None if experts is None else round(experts, 1),
+                           floor_ms=round(floor["floor_ms"], 3), floor_bound=floor["bound"],
+                           gb_per_forward=round(floor["bytes"] / 1e9, 2),
+                           floor_ratio=round(result["ms_per_forward"] / floor["floor_ms"], 2),
+                           quantization=args.quantization)
+            print(" | ".join(str(result[c]) for c in COLUMNS), flush=True)
+            if args.json:
+                with open(args.json, "a") as f:
+                    f.write(json.dumps(result) + "\n")
+        llm.engine.runner.max_steps_per_round = default_cap
+        if args.profile:
+            forwards_before = llm.engine.num_forwards
+            profile = device_kernel_times(functools.partial(run, llm, prompts, args.output_len), PROFILE_SCOPES)
+            print(f"profile: {cfg.model_type} batch {batch}")
+            print_kernel_table(*profile, top=args.profile, per=llm.engine.num_forwards - forwards_before,
+                               unit="forward")
 
 
 def make_llm(args, model_dir: pathlib.Path, max_batch: int) -> LLM:
@@ -133,14 +216,6 @@ def make_llm(args, model_dir: pathlib.Path, max_batch: int) -> LLM:
     elif args.threshold is not None:
         options["threshold"] = args.threshold
     return LLM(model_dir, random_weights=args.random_weights, **options)
-
-
-def print_table(results: list[dict]) -> None:
-    columns = ["model", "batch", "block_size", "output_tokens_per_s", "forwards_per_s", "tokens_per_forward",
-               "ms_per_forward", "floor_ms", "floor_bound", "gb_per_forward", "floor_ratio"]
-    print(" | ".join(columns))
-    for result in results:
-        print(" | ".join(str(result[c]) for c in columns))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Train the small SDAR block-diffusion model shipped as jaxllm/default_model, on CPython's standard-library sources.
 
-Data: every `*.py` under `sysconfig.get_paths()["stdlib"]` (site-/dist-packages excluded), tokenized with the project
-tokenizer and joined with `<|endoftext|>`. Whole files are held out for evaluation by a stable hash of their relative
-path. Training windows are random crops of the training stream.
+Data: every `*.py` under `sysconfig.get_paths()["stdlib"]` or `--stdlib-root` (site-/dist-packages excluded), tokenized
+with the project tokenizer and joined with `<|endoftext|>`. Whole files are held out for evaluation by a stable hash of
+their relative path. Training windows are random crops of the training stream.
 
 Objective (block diffusion, two streams): the model sees [noisy ; clean] (length 2T, positions 0..T-1 twice). In
 the noisy half every block b draws a mask ratio t ~ U(eps, 1) and masks each of its tokens with probability t. A
@@ -16,7 +16,8 @@ Optimisation: optax AdamW, linear warm-up then cosine decay, global-norm clippin
 bfloat16 compute (the dtype the engine serves in, and the H200's fast path). The cosine horizon is fitted to the
 wall-clock budget after a short timing of real steps, so a `--max-minutes` run still ends its schedule.
 
-    python -m tools.train_tiny --out /tmp/tiny --max-minutes 4.5   # the shipped run: H200, 325 ms/step, 675 steps
+    python -m tools.train_tiny --out /tmp/tiny --seed 0 --stdlib-root /tmp/lib/python3.11 --attention cudnn \
+        --max-minutes 3.6     # the shipped run: H200, CPython 3.11 Lib/ unpacked in /tmp/lib, 24.8 ms/step, 6,634 steps
     python -m tools.train_tiny --preset test --steps 40 --batch 8 --seq-len 32 --max-files 40 --out /tmp/t  # CPU
 
 The output directory is an HF-format SDAR checkpoint (Qwen3 keys, bf16 safetensors, sharded when needed) with the
@@ -44,7 +45,8 @@ from tokenizers import Tokenizer
 
 from jaxllm.loader import transpose, unchanged
 from jaxllm.models import sdar
-from jaxllm.models.layers import DenseMetadata
+from jaxllm.models.layers import DenseMetadata, Embedding
+from tools.device_profile import device_kernel_times, print_kernel_table
 
 TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "jaxllm" / "default_model"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -65,8 +67,9 @@ PRESETS = {
 
 # corpus
 
-def stdlib_root() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
+def stdlib_root(override: Path | None = None) -> Path:
+    """The standard library to train on: this interpreter's unless another (e.g. an unpacked copy) is named."""
+    return override or Path(sysconfig.get_paths()["stdlib"])
 
 
 def stdlib_sources(root: Path) -> list[str]:
@@ -134,17 +137,37 @@ def two_stream_mask(seq_len: int, block_size: int) -> np.ndarray:
     return np.concatenate([top, bottom], axis=0)
 
 
+class OneHotEmbedding(Embedding):
+    """The token embedding as a one-hot matmul, for training only. A gather's gradient is a scatter-add into the
+    bf16 table that XLA serialises on repeated tokens: 80% of an H200 step (87 of 109 ms); a GEMM's is a GEMM.
+    It holds the same parameter as the model's Embedding, so checkpoints and serving are unchanged."""
+
+    def __init__(self, embedding: Embedding):  # adopts the table; attend (the tied LM head) is inherited
+        self.embedding = embedding.embedding
+
+    def __call__(self, tokens):
+        table = self.embedding[...]
+        return jnp.dot(jax.nn.one_hot(tokens, table.shape[0], dtype=table.dtype), table)
+
+
+def training_model(config: dict, seed: int) -> sdar.SDAR:
+    """The SDAR to train: float32 master weights, one-hot embedding lookup."""
+    model = sdar.SDAR(sdar.config_from_hf(config), dtype=jnp.float32, rngs=nnx.Rngs(seed))
+    model.embed = OneHotEmbedding(model.embed)
+    return model
+
+
 def cast_floats(tree, dtype):
     return jax.tree.map(lambda x: x.astype(dtype), tree)
 
 
-def noisy_logits(graphdef, params, noisy, clean, mask, compute_dtype):
+def noisy_logits(graphdef, params, noisy, clean, mask, compute_dtype, attention_impl):
     """f32[B, T, V] logits of the noisy half; padded vocab rows and the mask id are pushed to -inf."""
     batch, seq_len = clean.shape
     model = nnx.merge(graphdef, cast_floats(params, compute_dtype))
     positions = jnp.tile(jnp.arange(seq_len, dtype=jnp.int32), 2)
-    metadata = DenseMetadata(positions=jnp.broadcast_to(positions, (batch, 2 * seq_len)),
-                             mask=jnp.broadcast_to(mask, (batch, 2 * seq_len, 2 * seq_len)))
+    metadata = DenseMetadata(positions=jnp.broadcast_to(positions, (batch, 2 * seq_len)), mask=mask[None],
+                             attention_impl=attention_impl)
     hidden, _ = model(jnp.concatenate([noisy, clean], axis=1), None, metadata)
     logits = model.logits(hidden[:, :seq_len])
     vocab = jnp.arange(logits.shape[-1])
@@ -195,7 +218,7 @@ def make_train_step(graphdef, optimizer, mask, args):
     compute_dtype = jnp.bfloat16 if args.compute_dtype == "bf16" else jnp.float32
 
     def loss_fn(params, noisy, clean, is_masked):
-        logits = noisy_logits(graphdef, params, noisy, clean, mask, compute_dtype)
+        logits = noisy_logits(graphdef, params, noisy, clean, mask, compute_dtype, args.attention)
         return masked_loss(logits, clean, is_masked)
 
     def train_step(params, opt_state, tokens, base_key, step, lr):
@@ -225,7 +248,7 @@ def make_eval_step(graphdef, mask, args):
 
     def eval_step(params, clean, is_masked):
         noisy = jnp.where(is_masked, MASK_ID, clean)
-        logits = noisy_logits(graphdef, params, noisy, clean, mask, compute_dtype)
+        logits = noisy_logits(graphdef, params, noisy, clean, mask, compute_dtype, args.attention)
         loss, accuracy = masked_loss(logits, clean, is_masked)
         return loss * is_masked.sum(), accuracy * is_masked.sum(), is_masked.sum()
 
@@ -250,7 +273,7 @@ def train(args) -> dict:
     log = print if not args.quiet else (lambda *a, **k: None)
     train_tokens, heldout_tokens, record = load_corpus(args, started, log)
     config = hf_config(args.preset, args.seq_len, args.block_size)
-    model = sdar.SDAR(sdar.config_from_hf(config), dtype=jnp.float32, rngs=nnx.Rngs(args.seed))
+    model = training_model(config, args.seed)
     graphdef, params = nnx.split(model)
     record["num_params"] = sum(x.size for x in jax.tree.leaves(params))
     log(f"model: {record['num_params']:,} parameters, preset {args.preset}, block {args.block_size}, "
@@ -269,11 +292,11 @@ def train(args) -> dict:
 def load_corpus(args, started: float, log) -> tuple[np.ndarray, np.ndarray, dict]:
     """(train stream, held-out stream, the run's record so far)."""
     tokenizer = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json"))
-    root = stdlib_root()
+    root = stdlib_root(args.stdlib_root)
     train_files, heldout_files = split_files(stdlib_sources(root)[:args.max_files], args.holdout_percent)
     train_tokens = token_stream(read_sources(root, train_files), tokenizer)
     heldout_tokens = token_stream(read_sources(root, heldout_files), tokenizer)
-    log(f"corpus: Python {sys.version.split()[0]} stdlib at {root}: {len(train_files)} train files "
+    log(f"corpus: the standard library at {root}: {len(train_files)} train files "
         f"({len(train_tokens):,} tokens), {len(heldout_files)} held-out files ({len(heldout_tokens):,} tokens); "
         f"tokenized in {time.perf_counter() - started:.1f}s", flush=True)
     record = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
@@ -398,9 +421,11 @@ def parse_args(argv=None):
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
     parser.add_argument("--steps", type=int, default=20000, help="at most this many steps (the clock may stop first)")
-    parser.add_argument("--max-minutes", type=float, default=4.5, help="wall-clock budget, tokenizing and saving included")
+    parser.add_argument("--max-minutes", type=float, default=4.5,
+                        help="wall-clock budget, tokenizing and saving included")
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--seq-len", type=int, default=512, help="training context; the model's max_position_embeddings")
+    parser.add_argument("--seq-len", type=int, default=512,
+                        help="training context; the model's max_position_embeddings")
     parser.add_argument("--block-size", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
@@ -409,6 +434,10 @@ def parse_args(argv=None):
     parser.add_argument("--clip-norm", type=float, default=1.0)
     parser.add_argument("--mask-eps", type=float, default=1e-3, help="lower bound of the per-block mask ratio")
     parser.add_argument("--compute-dtype", choices=["bf16", "f32"], default="bf16")
+    parser.add_argument("--attention", choices=["xla", "cudnn"], default="xla",
+                        help="jax.nn.dot_product_attention backend; cudnn is GPU flash attention (bf16)")
+    parser.add_argument("--stdlib-root", type=Path, default=None,
+                        help="train on this copy of a CPython Lib/ directory instead of the running interpreter's")
     parser.add_argument("--eval-interval", type=int, default=250)
     parser.add_argument("--eval-windows", type=int, default=128, help="held-out windows of seq-len tokens")
     parser.add_argument("--holdout-percent", type=int, default=5)
@@ -418,6 +447,8 @@ def parse_args(argv=None):
     parser.add_argument("--eval-reserve", type=float, default=0.08, help="fraction of the time left kept for evals")
     parser.add_argument("--save-seconds", type=float, default=10.0, help="time kept for the final eval and the save")
     parser.add_argument("--quiet", action="store_true")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="instead of training, profile this many steps on random tokens; print the slowest kernels")
     return parser.parse_args(argv)
 
 
@@ -425,7 +456,34 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.seq_len % args.block_size:
         raise SystemExit(f"--seq-len ({args.seq_len}) must be a multiple of --block-size ({args.block_size})")
-    train(args)
+    if args.profile_steps:
+        profile_steps(args)
+    else:
+        train(args)
+
+
+def profile_steps(args) -> None:
+    """Time args.profile_steps training steps after a warm-up and print where the device time goes."""
+    tokens = jnp.arange(100_000, dtype=jnp.int32) % TOKENIZER_VOCAB  # the data does not change the kernels
+    model = training_model(hf_config(args.preset, args.seq_len, args.block_size), args.seed)
+    graphdef, params = nnx.split(model)
+    optimizer = make_optimizer(params, args.weight_decay, args.clip_norm)
+    opt_state = optimizer.init(params)
+    train_step = make_train_step(graphdef, optimizer, jnp.asarray(two_stream_mask(args.seq_len, args.block_size)), args)
+    key, lr = jax.random.key(args.seed), np.float32(args.lr)
+
+    def steps(first: int, count: int):
+        nonlocal params, opt_state
+        for step in range(first, first + count):
+            params, opt_state, loss = train_step(params, opt_state, tokens, key, np.int32(step), lr)
+        jax.block_until_ready(loss)
+
+    steps(0, 3)
+    start = time.perf_counter()
+    steps(3, args.profile_steps)
+    print(f"{1e3 * (time.perf_counter() - start) / args.profile_steps:.1f} ms/step unprofiled", flush=True)
+    profile = device_kernel_times(lambda: steps(3, args.profile_steps), ("dot_product_attention", "transpose"))
+    print_kernel_table(*profile, top=25, per=args.profile_steps, unit="step")
 
 
 if __name__ == "__main__":

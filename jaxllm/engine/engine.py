@@ -115,6 +115,7 @@ class LLMEngine:
         self._seeds = np.random.default_rng(engine_config.seed)
         self.num_steps = 0
         self.num_forwards = 0  # denoising forwards (each runs the whole decode batch)
+        self.num_decode_rounds = 0  # device calls of the denoising loop
         self.decode_time = 0.0  # seconds spent in decode rounds
         self.last_forward_time = 0.0
 
@@ -169,8 +170,7 @@ class LLMEngine:
         kv = KVCache(jnp.zeros(pool_shape, dtype), jnp.zeros(pool_shape, dtype))
         spec = StepSpec(
             decoding=self.decoding, block_size=self.block_size, mask_token_id=self.mask_token_id,
-            num_real_tokens=min(len(self.tokenizer), cfg.vocab_size),
-            max_steps=self.config.max_steps_per_round or max_steps_per_block(self.decoding, self.block_size))
+            num_real_tokens=min(len(self.tokenizer), cfg.vocab_size))
         max_pages = -(-self.max_model_len // self.page_size)
         # a chunk never exceeds the context; chunks below 16 tokens would only add compilations
         token_budget = max(self.config.max_num_batched_tokens, self.block_size)
@@ -180,7 +180,8 @@ class LLMEngine:
         return ModelRunner(
             model, kv, spec, batch_buckets=powers_of_two(1, self.config.max_num_seqs),
             width_buckets=powers_of_two(min(8, max_pages), max_pages),
-            chunk_buckets=chunk_buckets, max_num_batched_tokens=token_budget)
+            chunk_buckets=chunk_buckets, max_num_batched_tokens=token_budget,
+            max_steps_per_round=self.config.max_steps_per_round or max_steps_per_block(self.decoding, self.block_size))
 
     def _scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(
@@ -287,6 +288,7 @@ class LLMEngine:
         self.last_forward_time = elapsed / max(results[0].num_forwards, 1)
         self.decode_time += elapsed
         self.num_forwards += results[0].num_forwards
+        self.num_decode_rounds += 1
         committed = self.scheduler.postprocess_decode(batch, results)
         outputs = []
         for request in batch.requests:

@@ -49,7 +49,6 @@ class StepSpec:
     block_size: int
     mask_token_id: int
     num_real_tokens: int  # ids at or beyond this (padded vocab rows) are never proposed
-    max_steps: int  # denoising steps per round
     attention_impl: str = "auto"
 
 
@@ -64,6 +63,7 @@ class RoundInputs:
     temperature: jax.Array  # f32[B]
     top_k: jax.Array  # i32[B]
     top_p: jax.Array  # f32[B]
+    max_steps: jax.Array  # i32[] step cap of this round: a runtime value, so changing it compiles nothing
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec"), donate_argnames=("kv",))
@@ -82,28 +82,30 @@ def _suppress_unproposable(logits, spec: StepSpec):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec"), donate_argnames=("kv",))
 def denoise_round(graphdef, params, kv: KVCache, inputs: RoundInputs, *, spec: StepSpec):
-    """Denoising steps until a front block completes (or max_steps). Returns (kv, window, complete, forwards)."""
-    model = nnx.merge(graphdef, params)
+    """Denoising steps until a front block completes (or inputs.max_steps). Returns (kv, window, complete, forwards)."""
     batch, window_size = inputs.window.tokens.shape
     positions = inputs.context_lens[:, None] + jnp.arange(window_size, dtype=jnp.int32)[None, :]
     live = inputs.window.num_active_blocks > 0
 
     def step(carry):
         forwards, state, kv, _ = carry
+        model = nnx.merge(graphdef, params)  # merged inside the loop body: modules may record (sow) at its trace level
         md = AttentionMetadata(inputs.page_table, inputs.context_lens, state.num_active_blocks * spec.block_size,
                                spec.block_size, spec.attention_impl)
         hidden, kv = model(state.tokens, kv, md)
-        logits = _suppress_unproposable(model.logits(hidden), spec)
-        steps = jnp.repeat(state.block_steps, spec.block_size, axis=1)
-        candidates, confidence = propose(logits, inputs.seeds, positions, steps, inputs.temperature, inputs.top_k,
-                                         inputs.top_p)
-        state, complete = decoding.update(state, candidates, confidence, inputs.max_blocks, spec.decoding,
-                                          block_size=spec.block_size, mask_token_id=spec.mask_token_id)
+        with jax.named_scope("lm_head"):  # scopes name the parts in device profiles (tools/device_profile.py)
+            logits = _suppress_unproposable(model.logits(hidden), spec)
+        with jax.named_scope("sampler"):
+            steps = jnp.repeat(state.block_steps, spec.block_size, axis=1)
+            candidates, confidence = propose(logits, inputs.seeds, positions, steps, inputs.temperature,
+                                             inputs.top_k, inputs.top_p)
+            state, complete = decoding.update(state, candidates, confidence, inputs.max_blocks, spec.decoding,
+                                              block_size=spec.block_size, mask_token_id=spec.mask_token_id)
         return forwards + 1, state, kv, complete
 
     def keep_going(carry):
         forwards, _, _, complete = carry
-        return (forwards < spec.max_steps) & jnp.any(live) & ~jnp.any(complete[:, 0] & live)
+        return (forwards < inputs.max_steps) & jnp.any(live) & ~jnp.any(complete[:, 0] & live)
 
     num_blocks = inputs.window.block_steps.shape[1]
     init = (jnp.int32(0), inputs.window, kv, jnp.zeros((batch, num_blocks), bool))
@@ -115,10 +117,12 @@ class ModelRunner:
     """Owns the weights and the KV pool; turns scheduler batches into jitted calls."""
 
     def __init__(self, model: nnx.Module, kv: KVCache, spec: StepSpec, *, batch_buckets: list[int],
-                 width_buckets: list[int], chunk_buckets: list[int], max_num_batched_tokens: int):
+                 width_buckets: list[int], chunk_buckets: list[int], max_num_batched_tokens: int,
+                 max_steps_per_round: int):
         self.graphdef, self.params = nnx.split(model)
         self.kv = kv
         self.spec = spec
+        self.max_steps_per_round = max_steps_per_round  # may change between rounds
         self.page_size = kv.k_pages.shape[3]
         self.batch_buckets, self.width_buckets, self.chunk_buckets = batch_buckets, width_buckets, chunk_buckets
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -189,7 +193,7 @@ class ModelRunner:
             arrays["top_p"][i] = request.params.top_p
         state = WindowState(*(arrays.pop(name) for name in (
             "tokens", "fixed", "num_active_blocks", "block_steps", "block_masks", "post_steps")))
-        return RoundInputs(window=state, **arrays)
+        return RoundInputs(window=state, max_steps=np.int32(self.max_steps_per_round), **arrays)
 
     # warm-up
 
@@ -218,5 +222,5 @@ class ModelRunner:
                             np.zeros((batch, window), bool), zeros_b, zeros_bn, zeros_bn, zeros_bn)
         inputs = RoundInputs(state, zeros_b, np.zeros((batch, width), np.int32), zeros_b,
                              np.zeros(batch, np.uint32), np.zeros(batch, np.float32), np.full(batch, -1, np.int32),
-                             np.ones(batch, np.float32))
+                             np.ones(batch, np.float32), np.int32(self.max_steps_per_round))
         self.kv, *_ = denoise_round(self.graphdef, self.params, self.kv, inputs, spec=self.spec)

@@ -44,18 +44,15 @@ class DenseMetadata:
     """Training-time attention over the whole sequence with an explicit mask; no page pool is read or written."""
 
     positions: jax.Array  # i32[B, T] RoPE positions
-    mask: jax.Array  # bool[B, T, T] query i may see key j
+    mask: jax.Array  # bool[B, T, T] query i may see key j; every query must see at least one key
+    # jax.nn.dot_product_attention's backend: None/"xla" (any device) or "cudnn" (GPU flash attention, bf16)
+    attention_impl: str | None = dataclasses.field(default=None, metadata=dict(static=True))
 
 
-def dense_attention(q, k, v, mask):
-    """Softmax attention in float32 with a boolean mask. q [B, T, H, D], k/v [B, T, K, D], mask bool[B, T, T]."""
-    batch, length, num_heads, head_dim = q.shape
-    group = num_heads // k.shape[2]
-    qf = q.astype(jnp.float32).reshape(batch, length, k.shape[2], group, head_dim)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qf, k.astype(jnp.float32)) * head_dim ** -0.5
-    scores = jnp.where(mask[:, None, None], scores, -1e30)
-    out = jnp.einsum("bkgts,bskd->btkgd", jax.nn.softmax(scores, axis=-1), v.astype(jnp.float32))
-    return out.reshape(batch, length, num_heads, head_dim).astype(q.dtype)
+def dense_attention(q, k, v, md: DenseMetadata):
+    """Masked softmax attention, q [B, T, H, D], k/v [B, T, K, D]: matmuls in q's dtype with float32 accumulation,
+    softmax in float32 (jax.nn.dot_product_attention's contract)."""
+    return jax.nn.dot_product_attention(q, k, v, mask=md.mask[:, None], implementation=md.attention_impl)
 
 
 def normal_init(rngs: nnx.Rngs, shape, dtype, std=0.02):
@@ -145,7 +142,7 @@ class Attention(nnx.Module):
         q = apply_rope(self.q_norm(q), positions, theta=self.rope_theta, rotary_dim=self.rotary_dim)
         k = apply_rope(self.k_norm(k), positions, theta=self.rope_theta, rotary_dim=self.rotary_dim)
         if isinstance(md, DenseMetadata):
-            return self.o_proj(dense_attention(q, k, v, md.mask).reshape(batch, window, -1)), kv
+            return self.o_proj(dense_attention(q, k, v, md).reshape(batch, window, -1)), kv
         out = paged_attention(q, k, v, kv.k_pages, kv.v_pages, layer, md.page_table, md.context_lens,
                               md.window_lens, block_size=md.block_size, impl=md.attention_impl)
         k_pages, v_pages = write_kv_pages(kv.k_pages, kv.v_pages, layer, k, v, md.page_table, md.context_lens,

@@ -60,6 +60,7 @@ class SparseMoE(nnx.Module):
             self.gate(flat.astype(jnp.float32)), self.expert_bias[...], top_k=self.moe.num_experts_per_tok,
             n_group=self.moe.n_group, topk_group=self.moe.topk_group,
             routed_scaling_factor=self.moe.routed_scaling_factor, norm_topk_prob=self.moe.norm_topk_prob)
+        self.sow(nnx.Intermediate, "expert_ids", expert_ids)  # routing statistics; dead code unless popped
         out = moe_experts(flat, expert_ids, weights, self.experts_gate_up.get_value(), self.experts_down.get_value())
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)

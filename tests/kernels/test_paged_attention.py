@@ -2,10 +2,10 @@
 
 On CPU the kernel runs in interpret mode (Pallas fills outputs with NaN first, so an element the kernel never
 writes fails the comparison); on a GPU the same tests compile it with Triton (outputs there start as whatever
-the allocator holds, so an unwritten element must happen to match a fresh random reference to pass). Every case draws fresh random inputs
-and poisons with NaN whatever the kernel must not read: the other layer, unused pages, page slots past the context,
-window rows past `window_len`. The reference runs on a clean copy (finite values in those places), so a poisoned
-value that leaks into the kernel's output shows up as a NaN or a mismatch.
+the allocator holds, so an unwritten element must happen to match a fresh random reference to pass). Every case
+draws fresh random inputs and poisons with NaN whatever the kernel must not read: the other layer, unused pages,
+page slots past the context, window rows past `window_len`. The reference runs on a clean copy (finite values in
+those places), so a poisoned value that leaks into the kernel's output shows up as a NaN or a mismatch.
 
 Tolerances: f32 compares at 2e-5 (both sides accumulate in f32 over at most a few hundred keys; observed error
 ~1e-6). bf16 compares at 2e-2: the kernel feeds bf16 probabilities to the PV matmul (2^-9 relative rounding per
@@ -139,6 +139,11 @@ SWEEP = {
     "split_boundary_inside_window": Case(context_lens=(40, 8), num_blocks=8, window_lens=(64, 50), num_splits=2),
     "splits_sliding_bf16": Case(context_lens=(96, 40), num_blocks=2, sliding_window=30, num_splits=2,
                                 dtype="bfloat16"),
+    # pages of 64 hold whole 64-key tiles: contiguous page-slice loads, whole and ragged tiles, an unaligned
+    # sliding-window start rounded down to a tile
+    "page_slices_sliding_window": Case(context_lens=(200, 136, 0), page_size=64, num_blocks=2, sliding_window=100),
+    "page_slices_splits_bf16": Case(context_lens=(320, 64), num_heads=8, head_dim=128, page_size=128,
+                                    dtype="bfloat16", num_splits=3),
 }
 
 
@@ -232,3 +237,10 @@ def test_write_kv_pages_updates_a_donated_pool_in_place():
     k_pages = pools[0]
     np.testing.assert_array_equal(np.asarray(k_pages[3, :, 7, :].transpose(1, 0, 2)), np.asarray(k[0, :16]))
     np.testing.assert_array_equal(np.asarray(k_pages[3, :, 4242, :].transpose(1, 0, 2)), np.asarray(k[0, 16:]))
+
+
+def test_small_batch_short_context_is_split_across_programs():
+    """Batch 1 at a 512-token context must not leave the H200's 132 SMs to a handful of serial programs."""
+    q = jax.ShapeDtypeStruct((1, 32, 32, 128), jnp.bfloat16)  # SDAR-8B decode: one 32-token block, 32/8 heads
+    tiling = pa._choose_tiling(q, page_size=32, page_table_width=17, num_kv_heads=8, overrides=None)
+    assert tiling.num_splits >= 4, tiling  # 8 kv heads x 1 query tile alone would be 8 programs

@@ -68,7 +68,8 @@ def expected_llada2_shapes(config: dict) -> dict[str, tuple[int, ...]]:
         }
         if n < config["first_k_dense_replace"]:
             ffn = config["intermediate_size"]
-            layer |= {"mlp.gate_proj.weight": (ffn, h), "mlp.up_proj.weight": (ffn, h), "mlp.down_proj.weight": (h, ffn)}
+            layer |= {"mlp.gate_proj.weight": (ffn, h), "mlp.up_proj.weight": (ffn, h),
+                      "mlp.down_proj.weight": (h, ffn)}
         else:
             shared_ffn = expert_ffn * config["num_shared_experts"]
             layer |= {"mlp.gate.weight": (num_experts, h), "mlp.gate.expert_bias": (num_experts,),

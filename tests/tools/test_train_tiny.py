@@ -16,9 +16,9 @@ from tools import train_tiny
 
 SEQ_LEN, BLOCK = 32, 8
 TINY_RUN = ["--preset", "test", "--steps", "20", "--batch", "8", "--seq-len", str(SEQ_LEN), "--block-size",
-            str(BLOCK), "--max-files", "24", "--holdout-percent", "25", "--eval-interval", "10", "--warmup-steps", "5",
-            "--lr", "1e-2", "--eval-windows", "8", "--timing-from", "5", "--timing-steps", "5", "--compute-dtype", "f32",
-            "--quiet"]
+            str(BLOCK), "--max-files", "24", "--holdout-percent", "25", "--eval-interval", "10",
+            "--warmup-steps", "5", "--lr", "1e-2", "--eval-windows", "8", "--timing-from", "5", "--timing-steps", "5",
+            "--compute-dtype", "f32", "--quiet"]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,35 @@
+"""The offline benchmark's floor model and its count of the experts a batch touches."""
+
+import pytest
+
+from jaxllm import LLM, SamplingParams
+from tools.bench_offline import forward_floor, measured_touched_experts
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def llada2(checkpoints):
+    return LLM(checkpoints("llada2"), decoding_strategy="fixed_steps", denoising_steps=BLOCK, dtype="float32",
+               block_size=BLOCK, max_num_seqs=2, max_model_len=64)
+
+
+def test_touched_experts_are_the_union_of_the_batch_routing(llada2):
+    moe = llada2.engine.model_config.moe
+    prompts = [list(range(5, 13)), list(range(100, 108))]
+    outputs = [o.token_ids for o in llada2.generate(prompts, SamplingParams(max_tokens=BLOCK, ignore_eos=True))]
+    one = measured_touched_experts(llada2, prompts[:1], outputs[:1], seed=0)
+    assert moe.num_experts_per_tok <= one <= min(moe.num_experts, BLOCK * moe.num_experts_per_tok)
+    assert measured_touched_experts(llada2, prompts[:1] * 2, outputs[:1] * 2, seed=0) == one  # same tokens
+    assert measured_touched_experts(llada2, prompts, outputs, seed=0) > one  # another prompt adds experts
+
+
+def test_the_floor_reads_only_touched_experts(llada2):
+    cfg = llada2.engine.model_config
+    moe = cfg.moe
+    expert_bytes = 2 * 3 * cfg.hidden_size * moe.moe_intermediate_size
+    num_moe_layers = cfg.num_layers - moe.first_k_dense_replace
+    few, more = (forward_floor(cfg, 1, BLOCK, 16, experts_touched=n) for n in (2, 5))
+    assert more["bytes"] - few["bytes"] == pytest.approx(3 * num_moe_layers * expert_bytes)
+    uniform = forward_floor(cfg, 1, BLOCK, 16)["bytes"]  # default: expected count under uniform routing
+    assert few["bytes"] < uniform <= forward_floor(cfg, 1, BLOCK, 16, experts_touched=moe.num_experts)["bytes"]
