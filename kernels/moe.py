@@ -223,10 +223,21 @@ def _dot(lhs, rhs):
     return jnp.dot(lhs, rhs, preferred_element_type=jnp.float32, precision=precision)
 
 
-def _gate_up_kernel(tile_expert_ref, row_token_ref, x_ref, x_scale_ref, w_ref, w_scale_ref, act_ref, *,
-                    block_m, tiles, inter):
-    # tile_expert i32[R], row_token i32[R*bm], x [T, H], x_scale f32[T], w [E, H, 2I], w_scale f32[E, 2I]
+def _split_scale_refs(refs, has_row_scale, has_col_scale):
+    """(row-scale ref or None, weight ref, column-scale ref or None, output ref) from a kernel's trailing refs: a
+    unit scale is not passed at all, so bf16 weights and activations carry no scale arrays and no multiplies."""
+    refs = list(refs)
+    row_scale_ref = refs.pop(0) if has_row_scale else None
+    w_ref = refs.pop(0)
+    col_scale_ref = refs.pop(0) if has_col_scale else None
+    (out_ref,) = refs
+    return row_scale_ref, w_ref, col_scale_ref, out_ref
+
+
+def _gate_up_kernel(tile_expert_ref, row_token_ref, x_ref, *refs, block_m, tiles, inter, has_x_scale, has_w_scale):
+    # tile_expert i32[R], row_token i32[R*bm], x [T, H], (x_scale f32[T]), w [E, H, 2I], (w_scale f32[E, 2I])
     # -> act [R*bm, I]; this program: rows [r*bm, (r+1)*bm) x act columns [j*bn, (j+1)*bn)
+    x_scale_ref, w_ref, w_scale_ref, act_ref = _split_scale_refs(refs, has_x_scale, has_w_scale)
     row_tile, col_tile = pl.program_id(0), pl.program_id(1)
     expert = tile_expert_ref[row_tile]
 
@@ -247,14 +258,18 @@ def _gate_up_kernel(tile_expert_ref, row_token_ref, x_ref, x_scale_ref, w_ref, w
 
         zeros = jnp.zeros((block_m, tiles.block_n), jnp.float32)
         gate, up = lax.fori_loop(0, x_ref.shape[1] // tiles.block_k, accumulate, (zeros, zeros))
-        x_scale = x_scale_ref[tokens][:, None]
-        gate = gate * x_scale * w_scale_ref[expert, gate_cols][None, :]
-        up = up * x_scale * w_scale_ref[expert, up_cols][None, :]
+        if x_scale_ref is not None:
+            x_scale = x_scale_ref[tokens][:, None]
+            gate, up = gate * x_scale, up * x_scale
+        if w_scale_ref is not None:
+            gate = gate * w_scale_ref[expert, gate_cols][None, :]
+            up = up * w_scale_ref[expert, up_cols][None, :]
         act_ref[rows, gate_cols] = (gate / (1.0 + jnp.exp(-gate)) * up).astype(act_ref.dtype)
 
 
-def _down_kernel(tile_expert_ref, act_ref, act_scale_ref, w_ref, w_scale_ref, out_ref, *, block_m, tiles):
-    # tile_expert i32[R], act [R*bm, I], act_scale f32[R*bm], w [E, I, H], w_scale f32[E, H] -> out [R*bm, H]
+def _down_kernel(tile_expert_ref, act_ref, *refs, block_m, tiles, has_act_scale, has_w_scale):
+    # tile_expert i32[R], act [R*bm, I], (act_scale f32[R*bm]), w [E, I, H], (w_scale f32[E, H]) -> out [R*bm, H]
+    act_scale_ref, w_ref, w_scale_ref, out_ref = _split_scale_refs(refs, has_act_scale, has_w_scale)
     row_tile, col_tile = pl.program_id(0), pl.program_id(1)
     expert = tile_expert_ref[row_tile]
 
@@ -269,7 +284,10 @@ def _down_kernel(tile_expert_ref, act_ref, act_scale_ref, w_ref, w_scale_ref, ou
 
         acc = lax.fori_loop(0, act_ref.shape[1] // tiles.block_k, accumulate,
                             jnp.zeros((block_m, tiles.block_n), jnp.float32))
-        acc = acc * act_scale_ref[rows][:, None] * w_scale_ref[expert, cols][None, :]
+        if act_scale_ref is not None:
+            acc = acc * act_scale_ref[rows][:, None]
+        if w_scale_ref is not None:
+            acc = acc * w_scale_ref[expert, cols][None, :]
         out_ref[rows, cols] = acc.astype(out_ref.dtype)
 
 
@@ -277,11 +295,17 @@ def _compiler_params(gemm):
     return pltriton.CompilerParams(num_warps=gemm.num_warps, num_stages=gemm.num_stages)
 
 
+def _scaled_operands(row_scale, w_values, w_scales) -> list:
+    """The operands after the activations: a unit scale (None) is left out."""
+    return [x for x in (row_scale, w_values, w_scales) if x is not None]
+
+
 def _gate_up(groups, x, x_scale, w_values, w_scales, *, act_dtype, tiles, interpret):
-    """[R*bm, I] = silu(x[rows] @ Wg[e]) * (x[rows] @ Wu[e]) per row tile."""
+    """[R*bm, I] = silu(x[rows] @ Wg[e]) * (x[rows] @ Wu[e]) per row tile; a None scale is 1."""
     num_rows = groups.row_token.shape[0]
     inter = w_values.shape[2] // 2
-    kernel = functools.partial(_gate_up_kernel, block_m=tiles.block_m, tiles=tiles.gate_up, inter=inter)
+    kernel = functools.partial(_gate_up_kernel, block_m=tiles.block_m, tiles=tiles.gate_up, inter=inter,
+                               has_x_scale=x_scale is not None, has_w_scale=w_scales is not None)
     return pl.pallas_call(
         kernel,
         grid=(groups.tile_expert.shape[0], inter // tiles.gate_up.block_n),
@@ -289,13 +313,14 @@ def _gate_up(groups, x, x_scale, w_values, w_scales, *, act_dtype, tiles, interp
         compiler_params=_compiler_params(tiles.gate_up),
         interpret=interpret,
         name="moe_gate_up",
-    )(groups.tile_expert, groups.row_token, x, x_scale, w_values, w_scales)
+    )(groups.tile_expert, groups.row_token, x, *_scaled_operands(x_scale, w_values, w_scales))
 
 
 def _down(groups, act, act_scale, w_values, w_scales, *, out_dtype, tiles, interpret):
-    """[R*bm, H] = act[rows] @ Wd[e] per row tile."""
+    """[R*bm, H] = act[rows] @ Wd[e] per row tile; a None scale is 1."""
     num_rows, hidden = act.shape[0], w_values.shape[2]
-    kernel = functools.partial(_down_kernel, block_m=tiles.block_m, tiles=tiles.down)
+    kernel = functools.partial(_down_kernel, block_m=tiles.block_m, tiles=tiles.down,
+                               has_act_scale=act_scale is not None, has_w_scale=w_scales is not None)
     return pl.pallas_call(
         kernel,
         grid=(groups.tile_expert.shape[0], hidden // tiles.down.block_n),
@@ -303,14 +328,14 @@ def _down(groups, act, act_scale, w_values, w_scales, *, out_dtype, tiles, inter
         compiler_params=_compiler_params(tiles.down),
         interpret=interpret,
         name="moe_down",
-    )(groups.tile_expert, act, act_scale, w_values, w_scales)
+    )(groups.tile_expert, act, *_scaled_operands(act_scale, w_values, w_scales))
 
 
 def _values_and_scales(w):
-    """Kernel operands of a weight: (values [E, K, N], f32 scales [E, N]); a plain weight gets unit scales."""
+    """Kernel operands of a weight: (values [E, K, N], f32 scales [E, N] or None for a plain weight)."""
     if isinstance(w, QuantizedWeight):
         return w.values, w.scales
-    return w, jnp.ones((w.shape[0], w.shape[2]), jnp.float32)
+    return w, None
 
 
 def _moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, *, fp8_activations, tiles, interpret):
@@ -324,13 +349,13 @@ def _moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, *, fp8
     if fp8_activations:
         x_in, x_scale = quantize_rows(x)
     else:
-        x_in, x_scale = x, jnp.ones((num_tokens,), jnp.float32)
+        x_in, x_scale = x, None
     act = _gate_up(groups, x_in, x_scale, *_values_and_scales(w_gate_up), act_dtype=x.dtype, tiles=tiles,
                    interpret=interpret)  # [R*bm, I]
     if fp8_activations:
         act, act_scale = quantize_rows(act)
     else:
-        act_scale = jnp.ones((act.shape[0],), jnp.float32)
+        act_scale = None
     out_rows = _down(groups, act, act_scale, *_values_and_scales(w_down), out_dtype=x.dtype, tiles=tiles,
                      interpret=interpret)  # [R*bm, H]
 

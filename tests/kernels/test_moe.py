@@ -8,6 +8,7 @@ import functools
 import zlib
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -243,6 +244,32 @@ def test_full_size_layer_lowers_to_triton_for_cuda(num_tokens):
         with jax.sharding.use_abstract_mesh(mesh):
             text = run.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("__gpu$xla.gpu.triton") == 2, (mode, fp8_activations)
+
+
+def _pallas_operand_counts(fn, *args) -> list[int]:
+    """Operands of each pallas_call in fn's jaxpr, nested jaxprs included, in program order."""
+    counts = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                counts.append(len(eqn.invars))
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return counts
+
+
+def test_unscaled_operands_pass_no_scale_arrays():
+    """bf16 weights and activations carry no unit-scale arrays (each would be an extra buffer and multiply)."""
+    x = jnp.ones((8, HIDDEN), jnp.float32)
+    ids, weights = jnp.zeros((8, 2), jnp.int32), jnp.ones((8, 2), jnp.float32)
+    plain = (jnp.ones((4, HIDDEN, 2 * INTER)), jnp.ones((4, INTER, HIDDEN)))
+    run = functools.partial(moe_experts, impl="pallas", interpret=True, tiles=SMALL_TILES)
+    assert _pallas_operand_counts(run, x, ids, weights, *plain) == [4, 3]  # tile table, rows, x | act, weights
+    int8 = [quantize(w, "int8") for w in plain]
+    assert _pallas_operand_counts(run, x, ids, weights, *int8) == [5, 4]  # + per-column weight scales
 
 
 # ---------------------------------------------------------------------------------------------- GPU only
