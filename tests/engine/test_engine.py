@@ -110,8 +110,6 @@ def test_nothing_compiles_after_warmup_and_an_unbucketed_shape_fails_loudly(chec
 
 
 def test_the_step_cap_splits_rounds_without_changing_tokens_or_compiling(llm):
-    from jaxllm.engine.runner import denoise_round
-
     engine, params = llm.engine, SamplingParams(max_tokens=12, ignore_eos=True)
     default_cap = engine.runner.max_steps_per_round
 
@@ -123,14 +121,14 @@ def test_the_step_cap_splits_rounds_without_changing_tokens_or_compiling(llm):
 
     try:
         tokens, rounds, forwards = generate_with_cap(default_cap)
-        compiled = denoise_round._cache_size()
+        compiled = engine.runner.jit_denoise_round._cache_size()
         capped_tokens, capped_rounds, capped_forwards = generate_with_cap(1)
     finally:
         engine.runner.max_steps_per_round = default_cap
     assert capped_tokens == tokens
     assert capped_rounds == capped_forwards == forwards  # one forward per round, the same forwards in all
     assert rounds < capped_rounds
-    assert denoise_round._cache_size() == compiled  # the cap is a runtime value: nothing recompiled
+    assert engine.runner.jit_denoise_round._cache_size() == compiled  # the cap is a runtime value: nothing recompiled
 
 
 def test_stop_string_trims_the_text(llm):
