@@ -22,10 +22,7 @@ class KernelTime:
 
 
 def device_kernel_times(fn, scopes: tuple[str, ...] = ()) -> tuple[list[KernelTime], dict[str, float], float]:
-    """(kernels sorted by total time, us per scope, device busy us) while fn() runs; fn must block until done.
-
-    A kernel counts towards the first of `scopes` (JAX named_call / named_scope names) found in its op's name stack,
-    else towards "other"."""
+    """kernel_times(profile of fn(), scopes); fn must block until its device work is done."""
     with tempfile.TemporaryDirectory() as trace_dir:
         jax.profiler.start_trace(trace_dir)
         try:
@@ -33,19 +30,26 @@ def device_kernel_times(fn, scopes: tuple[str, ...] = ()) -> tuple[list[KernelTi
         finally:
             jax.profiler.stop_trace()
         paths = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
-        data = ProfileData.from_file(paths[0])
-        totals, counts, by_scope = collections.defaultdict(float), collections.Counter(), collections.Counter()
-        device_lines = [line for plane in data.planes if plane.name.startswith("/device:") for line in plane.lines]
-        stream_lines = [line for line in device_lines if line.name.startswith("Stream")]
-        if device_lines and not stream_lines:
-            print("device_profile: no 'Stream' lines; device lines are", sorted({line.name for line in device_lines}))
-        for line in stream_lines:  # one line per CUDA stream holds its kernels; other lines regroup them by op
-            for event in line.events:
-                totals[event.name] += event.duration_ns / 1e3
-                counts[event.name] += 1
-                op_name = " ".join(str(value) for key, value in event.stats if key in ("tf_op", "hlo_op", "name"))
-                scope = next((s for s in scopes if s in op_name or s in event.name), "other")
-                by_scope[scope] += event.duration_ns / 1e3
+        return kernel_times(ProfileData.from_file(paths[0]), scopes)
+
+
+def kernel_times(data: ProfileData, scopes: tuple[str, ...] = ()) -> tuple[list[KernelTime], dict[str, float], float]:
+    """(kernels sorted by total time, us per scope, device busy us) of a profile's device planes.
+
+    A kernel counts towards the first of `scopes` (JAX named_call / named_scope names) found in its name or its op's
+    name stack, else towards "other"."""
+    totals, counts, by_scope = collections.defaultdict(float), collections.Counter(), collections.Counter()
+    device_lines = [line for plane in data.planes if plane.name.startswith("/device:") for line in plane.lines]
+    stream_lines = [line for line in device_lines if line.name.startswith("Stream")]
+    if device_lines and not stream_lines:
+        print("device_profile: no 'Stream' lines; device lines are", sorted({line.name for line in device_lines}))
+    for line in stream_lines:  # one line per CUDA stream holds its kernels; other lines regroup them by op
+        for event in line.events:
+            totals[event.name] += event.duration_ns / 1e3
+            counts[event.name] += 1
+            op_name = " ".join(str(value) for key, value in event.stats if key in ("tf_op", "hlo_op", "name"))
+            scope = next((s for s in scopes if s in op_name or s in event.name), "other")
+            by_scope[scope] += event.duration_ns / 1e3
     kernels = sorted((KernelTime(n, t, counts[n]) for n, t in totals.items()), key=lambda k: -k.total_us)
     return kernels, dict(by_scope), sum(k.total_us for k in kernels)
 
