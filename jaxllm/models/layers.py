@@ -44,7 +44,7 @@ class DenseMetadata:
     """Training-time attention over the whole sequence with an explicit mask; no page pool is read or written."""
 
     positions: jax.Array  # i32[B, T] RoPE positions
-    mask: jax.Array  # bool[B, T, T] query i may see key j; every query must see at least one key
+    mask: jax.Array  # bool[B or 1, T, T] query i may see key j; every query must see at least one key
     # jax.nn.dot_product_attention's backend: None/"xla" (any device) or "cudnn" (GPU flash attention, bf16)
     attention_impl: str | None = dataclasses.field(default=None, metadata=dict(static=True))
 

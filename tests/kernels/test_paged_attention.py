@@ -14,7 +14,6 @@ weight) and both outputs round to bf16 (2^-8 relative, i.e. up to ~8e-3 on value
 
 import dataclasses
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +21,7 @@ import numpy as np
 import pytest
 
 from jaxllm.kernels import paged_attention as pa
+from tools.bench_attention import median_seconds
 
 INTERPRET = jax.default_backend() != "gpu"
 TOLERANCE = {"float32": 2e-5, "bfloat16": 2e-2}
@@ -201,15 +201,6 @@ def test_pallas_matches_reference_at_model_sizes(name):
     check_case(GPU_SWEEP[name], seed=100 + sorted(GPU_SWEEP).index(name))
 
 
-def _median_seconds(fn, reps):
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
-
-
 @pytest.mark.gpu
 @requires_gpu
 def test_write_kv_pages_updates_a_donated_pool_in_place():
@@ -229,9 +220,9 @@ def test_write_kv_pages_updates_a_donated_pool_in_place():
         return pools
 
     write_once()  # compile
-    write_seconds = _median_seconds(write_once, reps=20)
+    write_seconds = median_seconds(write_once, min_reps=20, max_reps=20)
     copy = jax.jit(lambda a, b: (a + 1, b + 1))
-    copy_seconds = _median_seconds(lambda: copy(*pools), reps=5)
+    copy_seconds = median_seconds(lambda: copy(*pools), min_reps=5, max_reps=5)
     assert write_seconds < 0.25 * copy_seconds, (write_seconds, copy_seconds)  # a pool copy would be >= 1x
     # positions 0..31: slots 0..15 of page 7, then slots 0..15 of page 4242
     k_pages = pools[0]
