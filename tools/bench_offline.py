@@ -115,7 +115,7 @@ def measured_touched_experts(llm: LLM, prompts: list[list[int]], outputs: list[l
         model = nnx.merge(engine.runner.graphdef, params)
         model(tokens, None, DenseMetadata(positions, mask))
         routed = nnx.pop(model, nnx.Intermediate)
-        return [ids[0][-block:] for ids in jax.tree.leaves(routed)]
+        return [ids[-block:] for ids in jax.tree.leaves(routed)]  # ids: [length, top_k] (batch 1, flat)
 
     rng = np.random.default_rng(seed)
     per_state = []

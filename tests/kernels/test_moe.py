@@ -246,19 +246,38 @@ def test_full_size_layer_lowers_to_triton_for_cuda(num_tokens):
         assert text.count("__gpu$xla.gpu.triton") == 2, (mode, fp8_activations)
 
 
-def _pallas_operand_counts(fn, *args) -> list[int]:
-    """Operands of each pallas_call in fn's jaxpr, nested jaxprs included, in program order."""
-    counts = []
+def _equations(fn, *args) -> list:
+    """Every equation of fn's jaxpr, nested jaxprs included, in program order."""
+    found = []
 
     def walk(jaxpr):
         for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "pallas_call":
-                counts.append(len(eqn.invars))
+            found.append(eqn)
             for sub in jax.extend.core.jaxprs_in_params(eqn.params):
                 walk(sub)
 
     walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return counts
+    return found
+
+
+def _pallas_operand_counts(fn, *args) -> list[int]:
+    """Operands of each pallas_call in fn's jaxpr, in program order."""
+    return [len(eqn.invars) for eqn in _equations(fn, *args) if eqn.primitive.name == "pallas_call"]
+
+
+def test_routing_and_grouping_update_nothing_in_place():
+    """No scatter and no sort carrying an iota: in the engine's while-loop XLA hoists their constant operands and
+    copies them back every iteration (seven device-to-device copies per MoE layer per forward on the H200)."""
+    def route_and_group(logits):
+        _, ids = route_grouped_sigmoid(logits, jnp.zeros(64), top_k=4, n_group=4, topk_group=2,
+                                       routed_scaling_factor=1.0, norm_topk_prob=True)
+        return _group_by_expert(ids, 64, 16)
+
+    eqns = _equations(route_and_group, jnp.ones((32, 64)))
+    names = [eqn.primitive.name for eqn in eqns]
+    assert not [n for n in names if n.startswith("scatter") or n == "top_k"], names
+    assert all(len(eqn.invars) == 1 for eqn in eqns if eqn.primitive.name == "sort")
+    assert "sort" in names  # the grouping still sorts, on keys made from the routing
 
 
 def test_unscaled_operands_pass_no_scale_arrays():

@@ -19,7 +19,8 @@ def test_touched_experts_are_the_union_of_the_batch_routing(llada2):
     prompts = [list(range(5, 13)), list(range(100, 108))]
     outputs = [o.token_ids for o in llada2.generate(prompts, SamplingParams(max_tokens=BLOCK, ignore_eos=True))]
     one = measured_touched_experts(llada2, prompts[:1], outputs[:1], seed=0)
-    assert moe.num_experts_per_tok <= one <= min(moe.num_experts, BLOCK * moe.num_experts_per_tok)
+    # the window's tokens do not all pick the same experts: more than one token's choices are counted
+    assert moe.num_experts_per_tok < one <= min(moe.num_experts, BLOCK * moe.num_experts_per_tok)
     assert measured_touched_experts(llada2, prompts[:1] * 2, outputs[:1] * 2, seed=0) == one  # same tokens
     assert measured_touched_experts(llada2, prompts, outputs, seed=0) > one  # another prompt adds experts
 
