@@ -43,23 +43,6 @@ from jax.experimental.pallas import triton as pltriton
 from jaxllm.quantization import QuantizedWeight, dequantize, quantize_rows
 
 
-def top_k_by_rank(values, k):
-    """lax.top_k along the last axis -> (values [..., k], i32 indices [..., k]): same order, ties to the lower index.
-
-    Ranks are counted with broadcast compares instead of sorting: XLA's sort (which top_k becomes) works in place on
-    an iota that, inside the engine's denoising while-loop, is hoisted out as a loop invariant and so copied back
-    every iteration (seven device-to-device copies per MoE layer per forward on the H200). n is the expert count
-    (a few hundred), so the [..., n, n] compare is cheap and fuses into one reduction.
-    """
-    n = values.shape[-1]
-    index = jnp.arange(n)
-    ahead = (values[..., None, :] > values[..., :, None]) | (
-        (values[..., None, :] == values[..., :, None]) & (index[None, :] < index[:, None]))
-    rank = jnp.sum(ahead, axis=-1, dtype=jnp.int32)  # [..., n] entries ahead of each entry
-    indices = jnp.argmax(rank[..., None, :] == jnp.arange(k)[:, None], axis=-1).astype(jnp.int32)  # [..., k]
-    return jnp.take_along_axis(values, indices, axis=-1), indices
-
-
 def route_grouped_sigmoid(router_logits, expert_bias, *, top_k, n_group, topk_group, routed_scaling_factor,
                           norm_topk_prob):
     """f32[T, E] logits -> (f32[T, top_k] weights, i32[T, top_k] expert ids)."""
@@ -67,24 +50,24 @@ def route_grouped_sigmoid(router_logits, expert_bias, *, top_k, n_group, topk_gr
     scores = jax.nn.sigmoid(router_logits.astype(jnp.float32))
     choice = scores + expert_bias.astype(jnp.float32)[None, :]
     grouped = choice.reshape(num_tokens, n_group, num_experts // n_group)
-    group_scores = top_k_by_rank(grouped, 2)[0].sum(axis=-1)  # [T, n_group]
-    _, kept_groups = top_k_by_rank(group_scores, topk_group)
-    group_kept = jnp.any(kept_groups[:, :, None] == jnp.arange(n_group), axis=1)  # [T, n_group]
+    group_scores = jax.lax.top_k(grouped, 2)[0].sum(axis=-1)  # [T, n_group]
+    _, kept_groups = jax.lax.top_k(group_scores, topk_group)
+    group_kept = jnp.any(kept_groups[:, :, None] == jnp.arange(n_group), axis=1)  # [T, n_group]; no scatter (below)
     choice = jnp.where(jnp.repeat(group_kept, num_experts // n_group, axis=1), choice, -jnp.inf)
-    _, expert_ids = top_k_by_rank(choice, top_k)
+    _, expert_ids = jax.lax.top_k(choice, top_k)
     weights = jnp.take_along_axis(scores, expert_ids, axis=1)
     if norm_topk_prob:
         weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
-    return weights * routed_scaling_factor, expert_ids
+    return weights * routed_scaling_factor, expert_ids.astype(jnp.int32)
 
 
 def route_softmax_topk(router_logits, *, top_k, norm_topk_prob):
     """f32[T, E] logits -> (f32[T, top_k] weights, i32[T, top_k] expert ids)."""
     probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
-    weights, expert_ids = top_k_by_rank(probs, top_k)
+    weights, expert_ids = jax.lax.top_k(probs, top_k)
     if norm_topk_prob:
         weights = weights / weights.sum(axis=-1, keepdims=True)
-    return weights, expert_ids
+    return weights, expert_ids.astype(jnp.int32)
 
 
 def _check_inputs(x, expert_ids, expert_weights, w_gate_up, w_down, fp8_activations):
@@ -212,47 +195,38 @@ class ExpertGroups(NamedTuple):
 def _group_by_expert(expert_ids, num_experts, block_m):
     """Sort the assignments by expert into per-expert groups padded to whole row tiles.
 
-    No scatter and no sort with an iota operand: inside the denoising while-loop XLA hoists such constant operands
-    out of the loop and copies them back before each in-place update. The one sort here orders keys computed from
-    the data; each assignment's row comes from counting instead of inverting that permutation.
+    Written without scatters: a scatter updates its operand in place, and inside the engine's denoising while-loop
+    XLA hoists a constant operand (the zeros it starts from) out of the loop and copies it back every iteration
+    (82 device copies per LLaDA2 forward on the H200). The result passes an optimization barrier so XLA computes it
+    once instead of fusing the counting into every element of its consumers.
     """
     num_tokens, top_k = expert_ids.shape
     num_assignments = num_tokens * top_k
-    if num_experts * num_assignments >= 2**31:
-        raise ValueError(f"{num_assignments} assignments x {num_experts} experts overflow the int32 sort keys")
     num_row_tiles = _num_row_tiles(num_assignments, num_experts, block_m)
-    expert_ids = expert_ids.astype(jnp.int32)
-    experts = jnp.arange(num_experts, dtype=jnp.int32)
-    # per token, how many of its choices are each expert, and how many earlier tokens' choices were
-    choices = jnp.sum(expert_ids[:, :, None] == experts, axis=1, dtype=jnp.int32)  # [T, E]
-    earlier_tokens = jnp.cumsum(choices, axis=0) - choices  # [T, E]
-    group_sizes = jnp.sum(choices, axis=0)  # [E]
+    flat_expert = expert_ids.reshape(-1).astype(jnp.int32)  # [A]
+    order = jnp.argsort(flat_expert, stable=True)  # [A] assignment ids, grouped by expert
+    sorted_expert = flat_expert[order]
+    group_sizes = jnp.sum(flat_expert[:, None] == jnp.arange(num_experts), axis=0, dtype=jnp.int32)  # [E]
+    group_starts = jnp.cumsum(group_sizes) - group_sizes
     padded_sizes = (group_sizes + block_m - 1) // block_m * block_m
     padded_ends = jnp.cumsum(padded_sizes)  # [E]
     padded_starts = padded_ends - padded_sizes
-
-    # assignment (t, c) is number `rank` of its expert's group, counting in (token, choice) order
-    same_earlier_choice = jnp.tril(expert_ids[:, :, None] == expert_ids[:, None, :], k=-1).sum(-1, dtype=jnp.int32)
-    rank = jnp.take_along_axis(earlier_tokens, expert_ids, axis=1) + same_earlier_choice  # [T, C]
-    assignment_row = padded_starts[expert_ids] + rank
+    rank_in_group = jnp.arange(num_assignments) - group_starts[sorted_expert]
+    sorted_row = padded_starts[sorted_expert] + rank_in_group  # [A]
+    assignment_row = sorted_row[jnp.argsort(order)]  # the inverse permutation, by sorting
 
     tile_start = jnp.arange(num_row_tiles) * block_m  # [R]
     # the expert owning a tile is the number of groups (empty ones included) that end at or before its first row
     tile_expert = jnp.sum(padded_ends[None, :] <= tile_start[:, None], axis=1, dtype=jnp.int32)
     tile_expert = jnp.where(tile_start < padded_ends[-1], tile_expert, -1)
-
-    # row p of expert e's group holds the group's (p - start_e)-th assignment in (expert, token, choice) order
-    sort_keys = expert_ids.reshape(-1) * num_assignments + jnp.arange(num_assignments)
-    sorted_assignment = jnp.sort(sort_keys) % num_assignments  # [A]
-    row = jnp.arange(num_row_tiles * block_m)
-    row_expert = jnp.repeat(tile_expert, block_m)
+    # row p of expert e's group holds the group's (p - padded_start_e)-th assignment in sorted order
+    row_expert = jnp.repeat(tile_expert, block_m)  # [R*bm]
     safe_expert = jnp.maximum(row_expert, 0)
-    row_rank = row - padded_starts[safe_expert]
+    row_rank = jnp.arange(num_row_tiles * block_m) - padded_starts[safe_expert]
     filled = (row_expert >= 0) & (row_rank < group_sizes[safe_expert])
-    group_starts = jnp.cumsum(group_sizes) - group_sizes  # [E] in the sorted order, without padding
     sorted_position = jnp.minimum(group_starts[safe_expert] + row_rank, num_assignments - 1)
-    row_token = jnp.where(filled, sorted_assignment[sorted_position] // top_k, 0)
-    return ExpertGroups(row_token, tile_expert, assignment_row)
+    row_token = jnp.where(filled, order[sorted_position] // top_k, 0)
+    return lax.optimization_barrier(ExpertGroups(row_token, tile_expert, assignment_row.reshape(num_tokens, top_k)))
 
 
 def _dot(lhs, rhs):

@@ -265,19 +265,16 @@ def _pallas_operand_counts(fn, *args) -> list[int]:
     return [len(eqn.invars) for eqn in _equations(fn, *args) if eqn.primitive.name == "pallas_call"]
 
 
-def test_routing_and_grouping_update_nothing_in_place():
-    """No scatter and no sort carrying an iota: in the engine's while-loop XLA hoists their constant operands and
-    copies them back every iteration (seven device-to-device copies per MoE layer per forward on the H200)."""
+def test_routing_and_grouping_scatter_nothing():
+    """No scatter: in the engine's while-loop XLA hoists a scatter's constant operand (its zeros) and copies it back
+    every iteration (82 device-to-device copies per LLaDA2 forward on the H200)."""
     def route_and_group(logits):
         _, ids = route_grouped_sigmoid(logits, jnp.zeros(64), top_k=4, n_group=4, topk_group=2,
                                        routed_scaling_factor=1.0, norm_topk_prob=True)
         return _group_by_expert(ids, 64, 16)
 
-    eqns = _equations(route_and_group, jnp.ones((32, 64)))
-    names = [eqn.primitive.name for eqn in eqns]
-    assert not [n for n in names if n.startswith("scatter") or n == "top_k"], names
-    assert all(len(eqn.invars) == 1 for eqn in eqns if eqn.primitive.name == "sort")
-    assert "sort" in names  # the grouping still sorts, on keys made from the routing
+    names = [eqn.primitive.name for eqn in _equations(route_and_group, jnp.ones((32, 64)))]
+    assert "top_k" in names and not [n for n in names if n.startswith("scatter")], names
 
 
 def test_unscaled_operands_pass_no_scale_arrays():
