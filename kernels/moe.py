@@ -52,8 +52,8 @@ def route_grouped_sigmoid(router_logits, expert_bias, *, top_k, n_group, topk_gr
     grouped = choice.reshape(num_tokens, n_group, num_experts // n_group)
     group_scores = jax.lax.top_k(grouped, 2)[0].sum(axis=-1)  # [T, n_group]
     _, kept_groups = jax.lax.top_k(group_scores, topk_group)
-    group_kept = jnp.any(kept_groups[:, :, None] == jnp.arange(n_group), axis=1)  # [T, n_group]: no scatter, see
-    # _group_by_expert
+    # [T, n_group] mask by comparison, not a scatter (why: _group_by_expert)
+    group_kept = jnp.any(kept_groups[:, :, None] == jnp.arange(n_group), axis=1)
     choice = jnp.where(jnp.repeat(group_kept, num_experts // n_group, axis=1), choice, -jnp.inf)
     _, expert_ids = jax.lax.top_k(choice, top_k)
     weights = jnp.take_along_axis(scores, expert_ids, axis=1)
