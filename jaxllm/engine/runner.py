@@ -144,7 +144,8 @@ class ModelRunner:
 
     @property
     def params(self) -> nnx.State:
-        """The weights as the model's state (for nnx.merge with self.graphdef)."""
+        """The weights as the model's state (for nnx.merge with self.graphdef): a read-only view, built per access;
+        to change weights, replace self.weights."""
         return jax.tree.unflatten(self.params_treedef, self.weights)
 
     # shapes
