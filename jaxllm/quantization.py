@@ -9,6 +9,9 @@ after accumulating.
   fp8   scale = max_K |w| / 448 (e4m3's largest finite), values = round-to-nearest-even cast of w / scale
                                                                           ->  |w - deq| <= 2^-4 |w| (normals)
 `quantize_rows` does the same per row of an activation matrix, for the fp8 x fp8 path.
+
+`channel_major=True` stores the values as [..., N, K] instead: each output channel's K values contiguous, the
+operand layout of the MoE kernels' fp8 x fp8 path (kernels/moe.py); the weight's logical shape stays [..., K, N].
 """
 
 import dataclasses
@@ -22,17 +25,25 @@ INT8_MAX = 127.0
 FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["values", "scales"], meta_fields=[])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["values", "scales"],
+                   meta_fields=["channel_major"])
 @dataclasses.dataclass(frozen=True)
 class QuantizedWeight:
     """A quantized [..., K, N] weight; accepted wherever the kernels take a plain weight array."""
 
-    values: jax.Array  # int8 | float8_e4m3fn [..., K, N]
+    values: jax.Array  # int8 | float8_e4m3fn [..., K, N], or [..., N, K] if channel_major
     scales: jax.Array  # f32[..., N]
+    channel_major: bool = False
 
     @property
     def shape(self):
-        return self.values.shape
+        """The logical [..., K, N] shape, whatever the storage layout."""
+        shape = self.values.shape
+        return (*shape[:-2], shape[-1], shape[-2]) if self.channel_major else shape
+
+    def kn_values(self):
+        """The values as [..., K, N] (a transpose for channel-major storage)."""
+        return jnp.swapaxes(self.values, -1, -2) if self.channel_major else self.values
 
     @property
     def ndim(self):
@@ -51,21 +62,23 @@ def _quantize_along(a, axis, mode):
     return values, jnp.squeeze(scales, axis)
 
 
-def quantize(w, mode):
+def quantize(w, mode, *, channel_major=False):
     """[..., K, N] float weight -> QuantizedWeight with one f32 scale per output channel (per [..., N])."""
     if mode not in QUANTIZATION_MODES:
         raise ValueError(f"quantization mode must be one of {QUANTIZATION_MODES}, got {mode!r}")
     if w.ndim < 2:
         raise ValueError(f"quantize needs a [..., K, N] weight, got shape {w.shape}")
     values, scales = _quantize_along(w, -2, mode)
-    return QuantizedWeight(values=values, scales=scales)
+    if channel_major:
+        values = jnp.swapaxes(values, -1, -2)
+    return QuantizedWeight(values=values, scales=scales, channel_major=channel_major)
 
 
 def dequantize(weight, dtype=jnp.float32):
     """QuantizedWeight (or a plain array, passed through) -> [..., K, N] array of `dtype`."""
     if not isinstance(weight, QuantizedWeight):
         return weight.astype(dtype)
-    return (weight.values.astype(jnp.float32) * jnp.expand_dims(weight.scales, -2)).astype(dtype)
+    return (weight.kn_values().astype(jnp.float32) * jnp.expand_dims(weight.scales, -2)).astype(dtype)
 
 
 def quantize_rows(a):
@@ -82,7 +95,7 @@ def matmul(x, w):
     if isinstance(w, QuantizedWeight):
         if w.ndim != 2:
             raise ValueError(f"matmul takes a [K, N] weight, got a quantized weight of shape {w.shape}")
-        out = jnp.dot(x, w.values.astype(x.dtype), preferred_element_type=jnp.float32) * w.scales
+        out = jnp.dot(x, w.kn_values().astype(x.dtype), preferred_element_type=jnp.float32) * w.scales
     else:
         out = jnp.dot(x, w, preferred_element_type=jnp.float32)
     return out.astype(x.dtype)

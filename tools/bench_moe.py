@@ -154,6 +154,11 @@ def make_weights(seed):
     return weights
 
 
+def fp8_channel_major(w_gate_up, w_down):
+    """The fp8 x fp8 path's weights: channel-major e4m3, the K-major operand layout fp8 tensor-core MMAs take."""
+    return quantize(w_gate_up, "fp8", channel_major=True), quantize(w_down, "fp8", channel_major=True)
+
+
 def make_batch(num_tokens, seed):
     keys = jax.random.split(jax.random.key(seed), 2)
     x = jax.random.normal(keys[0], (num_tokens, HIDDEN), jnp.bfloat16)
@@ -173,19 +178,28 @@ def weight_bytes_per_expert(w_gate_up, w_down):
 
 
 def sweep_tiles(num_tokens):
-    """Alternative tilings to time next to `default_tiles`, around the regime the default picks."""
+    """Alternative tilings to time next to `default_tiles`, around the regime the default picks (each list starts
+    with the regime's previous default). The 16-row regime's last one moves as many bytes per pipeline stage with
+    1-byte weights as the default does with bf16 (too much shared memory for bf16)."""
     block_m = default_tiles(num_tokens * TOP_K, EXPERTS, HIDDEN, INTER).block_m
     if block_m == 16:
         return [MoeTiles(16, GemmTiles(64, 128, 4, 4), GemmTiles(128, 64, 4, 4)),
                 MoeTiles(16, GemmTiles(64, 64, 4, 4), GemmTiles(64, 128, 4, 4)),
-                MoeTiles(16, GemmTiles(32, 256, 4, 3), GemmTiles(128, 128, 4, 3))]
+                MoeTiles(16, GemmTiles(32, 256, 4, 3), GemmTiles(128, 128, 4, 3)),
+                MoeTiles(16, GemmTiles(128, 256, 8, 3), GemmTiles(256, 128, 8, 3))]
     if block_m == 64:
-        return [MoeTiles(64, GemmTiles(64, 64, 4, 4), GemmTiles(128, 64, 4, 4)),
+        return [MoeTiles(64, GemmTiles(128, 64, 8, 3), GemmTiles(128, 64, 4, 3)),
+                MoeTiles(64, GemmTiles(64, 64, 4, 4), GemmTiles(128, 64, 4, 4)),
                 MoeTiles(128, GemmTiles(64, 64, 8, 3), GemmTiles(128, 64, 8, 3)),
-                MoeTiles(32, GemmTiles(64, 128, 4, 4), GemmTiles(128, 64, 4, 4))]
-    return [MoeTiles(128, GemmTiles(128, 64, 8, 3), GemmTiles(128, 64, 8, 4)),
-            MoeTiles(128, GemmTiles(64, 64, 4, 4), GemmTiles(128, 32, 4, 4)),
-            MoeTiles(64, GemmTiles(64, 64, 4, 4), GemmTiles(128, 64, 4, 4))]
+                MoeTiles(32, GemmTiles(64, 128, 4, 4), GemmTiles(128, 64, 4, 4)),
+                MoeTiles(32, GemmTiles(128, 128, 4, 3), GemmTiles(256, 64, 4, 3)),
+                MoeTiles(64, GemmTiles(128, 128, 8, 3), GemmTiles(256, 64, 8, 3)),
+                MoeTiles(64, GemmTiles(128, 64, 8, 4), GemmTiles(256, 64, 8, 3)),
+                MoeTiles(16, GemmTiles(128, 128, 4, 3), GemmTiles(256, 64, 4, 3))]
+    return [MoeTiles(128, GemmTiles(64, 64, 8, 3), GemmTiles(128, 64, 8, 3)),
+            MoeTiles(128, GemmTiles(128, 64, 8, 3), GemmTiles(128, 64, 8, 4)),
+            MoeTiles(128, GemmTiles(128, 64, 8, 3), GemmTiles(256, 64, 8, 4)),
+            MoeTiles(128, GemmTiles(128, 32, 8, 5), GemmTiles(256, 32, 8, 5))]
 
 
 def tiles_label(tiles):
@@ -203,7 +217,7 @@ def variants(num_tokens, weights, capacity, sweep):
             jobs[(mode, "ragged_dot")] = (ragged_dot_experts, pair)
         jobs[(mode, "gather_dense")] = (functools.partial(gather_dense_experts, capacity=capacity), pair)
     jobs[("fp8", "pallas_fp8act")] = (functools.partial(moe_experts, impl="pallas", fp8_activations=True),
-                                      weights["fp8"])
+                                      fp8_channel_major(*weights["bf16"]))
     for tiles in sweep_tiles(num_tokens) if sweep else []:
         for mode in ("bf16", "int8") if num_tokens <= 256 else ("bf16",):
             jobs[(mode, f"pallas {tiles_label(tiles)}")] = (functools.partial(moe_experts, impl="pallas", tiles=tiles),
@@ -302,7 +316,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[32, 256, 2048, 8192])
     parser.add_argument("--accuracy-tokens", type=int, default=256, help="token count of the accuracy check")
-    parser.add_argument("--sweep", action="store_true", help="also time alternative tilings (bf16, int8 <= 256)")
+    parser.add_argument("--sweep", action="store_true", help="time other tilings too")
     parser.add_argument("--json", help="write every measurement here")
     parser.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1), help="parallel compiles")
     args = parser.parse_args()

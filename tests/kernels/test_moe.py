@@ -134,7 +134,10 @@ def _case_arrays(rng, num_tokens, top_k, num_experts, pattern):
 
 
 def _as_weight(w, mode, dtype):
-    return jnp.asarray(w, dtype) if mode is None else quantize(jnp.asarray(w), mode)
+    """mode: None (plain `dtype`), "int8" / "fp8", or either + "_channel_major" (values stored [E, N, K])."""
+    if mode is None:
+        return jnp.asarray(w, dtype)
+    return quantize(jnp.asarray(w), mode.removesuffix("_channel_major"), channel_major=mode.endswith("_channel_major"))
 
 
 def _tolerance(dtype):
@@ -164,6 +167,15 @@ CASES = {
     "fp8_bf16": (37, 4, 8, "random", jnp.bfloat16, "fp8", False, SMALL_TILES),
     "fp8_f32_one_expert": (40, 1, 8, "one_expert", jnp.float32, "fp8", False, SMALL_TILES),
     "fp8_activations_bf16": (37, 4, 8, "random", jnp.bfloat16, "fp8", True, SMALL_TILES),
+    "int8_channel_major_bf16": (37, 4, 8, "random", jnp.bfloat16, "int8_channel_major", False, SMALL_TILES),
+    "int8_channel_major_f32_empty_experts": (29, 2, 16, "subset", jnp.float32, "int8_channel_major", False,
+                                             SMALL_TILES),
+    "int8_channel_major_block_m32_one_expert": (40, 1, 8, "one_expert", jnp.bfloat16, "int8_channel_major", False,
+                                                MoeTiles(32, gate_up=GemmTiles(16, 64, 4, 3),
+                                                         down=GemmTiles(64, 16, 4, 3))),
+    "fp8_channel_major_bf16": (37, 4, 8, "random", jnp.bfloat16, "fp8_channel_major", False, SMALL_TILES),
+    "fp8_activations_channel_major_bf16": (37, 4, 8, "random", jnp.bfloat16, "fp8_channel_major", True,
+                                           SMALL_TILES),
 }
 
 
@@ -222,11 +234,12 @@ def test_rejects_bad_shapes_and_fp8_activations_without_fp8_weights():
 
 # ---------------------------------------------------------------------------------------------- CUDA lowering
 
-def _weight_struct(shape, mode):
+def _weight_struct(shape, mode, channel_major):
     if mode == "bf16":
         return jax.ShapeDtypeStruct(shape, jnp.bfloat16)
-    values = jax.ShapeDtypeStruct(shape, jnp.int8 if mode == "int8" else jnp.float8_e4m3fn)
-    return QuantizedWeight(values, jax.ShapeDtypeStruct((shape[0], shape[2]), jnp.float32))
+    stored = (shape[0], shape[2], shape[1]) if channel_major else shape
+    values = jax.ShapeDtypeStruct(stored, jnp.int8 if mode == "int8" else jnp.float8_e4m3fn)
+    return QuantizedWeight(values, jax.ShapeDtypeStruct((shape[0], shape[2]), jnp.float32), channel_major)
 
 
 @pytest.mark.parametrize("num_tokens", [32, 2048, 8192])
@@ -235,15 +248,17 @@ def test_full_size_layer_lowers_to_triton_for_cuda(num_tokens):
     experts, hidden, inter, top_k = 256, 2048, 512, 8
     mesh = AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu",
                                                                num_cores=132))
-    for mode, fp8_activations in (("bf16", False), ("int8", False), ("fp8", False), ("fp8", True)):
+    for mode, fp8_activations, channel_major in (("bf16", False, False), ("int8", False, False),
+                                                 ("int8", False, True), ("fp8", False, True), ("fp8", True, True)):
         run = jax.jit(functools.partial(moe_experts, impl="pallas", fp8_activations=fp8_activations))
         args = (jax.ShapeDtypeStruct((num_tokens, hidden), jnp.bfloat16),
                 jax.ShapeDtypeStruct((num_tokens, top_k), jnp.int32),
                 jax.ShapeDtypeStruct((num_tokens, top_k), jnp.float32),
-                _weight_struct((experts, hidden, 2 * inter), mode), _weight_struct((experts, inter, hidden), mode))
+                _weight_struct((experts, hidden, 2 * inter), mode, channel_major),
+                _weight_struct((experts, inter, hidden), mode, channel_major))
         with jax.sharding.use_abstract_mesh(mesh):
             text = run.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-        assert text.count("__gpu$xla.gpu.triton") == 2, (mode, fp8_activations)
+        assert text.count("__gpu$xla.gpu.triton") == 2, (mode, fp8_activations, channel_major)
 
 
 def _equations(fn, *args) -> list:
@@ -294,7 +309,7 @@ def test_unscaled_operands_pass_no_scale_arrays():
 
 @gpu
 @requires_gpu
-@pytest.mark.parametrize("mode", [None, "int8", "fp8"])
+@pytest.mark.parametrize("mode", [None, "int8", "fp8", "int8_channel_major", "fp8_channel_major"])
 @pytest.mark.parametrize("num_tokens", [32, 2048, 8192])
 def test_full_size_layer_on_gpu(mode, num_tokens):
     """LLaDA2.0-mini layer with its real router and the default tiles (one token count per tiling regime)."""
@@ -306,11 +321,11 @@ def test_full_size_layer_on_gpu(mode, num_tokens):
                                          routed_scaling_factor=2.5, norm_topk_prob=True)
     w_gate_up = (jax.random.normal(keys[2], (experts, hidden, 2 * inter)) / np.sqrt(hidden)).astype(jnp.bfloat16)
     w_down = (jax.random.normal(keys[3], (experts, inter, hidden)) / np.sqrt(inter)).astype(jnp.bfloat16)
-    if mode is not None:
-        w_gate_up, w_down = quantize(w_gate_up, mode), quantize(w_down, mode)
+    w_gate_up, w_down = _as_weight(w_gate_up, mode, jnp.bfloat16), _as_weight(w_down, mode, jnp.bfloat16)
 
     out = np.asarray(jax.jit(lambda *a: moe_experts(*a, impl="pallas"))(x, ids, weights, w_gate_up, w_down),
                      np.float32)
     ref = np.asarray(moe_experts_reference(x, ids, weights, w_gate_up, w_down), np.float32)
     rtol, atol = _tolerance(jnp.bfloat16)
     np.testing.assert_allclose(out, ref, rtol=rtol, atol=atol * np.sqrt(np.mean(ref**2)))
+
