@@ -70,6 +70,19 @@ def test_quantized_weight_is_a_pytree_that_crosses_jit():
 
 
 @pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_channel_major_stores_the_transpose_of_the_same_weight(mode):
+    w = jnp.asarray(_random_weight(8, shape=(3, 48, 20)))
+    plain, channel_major = quantize(w, mode), quantize(w, mode, channel_major=True)
+    assert channel_major.values.shape == (3, 20, 48) and channel_major.shape == plain.shape == (3, 48, 20)
+    np.testing.assert_array_equal(np.asarray(channel_major.values, np.float32),
+                                  np.swapaxes(np.asarray(plain.values, np.float32), 1, 2))
+    np.testing.assert_array_equal(np.asarray(dequantize(channel_major)), np.asarray(dequantize(plain)))
+    # the layout is static pytree metadata: it survives jit and is part of the tree structure
+    doubled = jax.jit(lambda q: QuantizedWeight(q.values, q.scales * 2, q.channel_major))(channel_major)
+    assert doubled.channel_major and jax.tree.structure(doubled) != jax.tree.structure(plain)
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_matmul_equals_product_with_dequantized_weight(mode, dtype):
     rng = np.random.default_rng(4)
