@@ -149,16 +149,19 @@ def _fit_block(dim, preferred):
     return block
 
 
-def default_tiles(num_assignments, num_experts, hidden, inter):
+def default_tiles(num_assignments, num_experts, hidden, inter, upcast_weights=False):
     """Tiles by the mean rows per expert: small tiles stream weights at decode sizes, large ones feed tensor cores.
 
-    Picked from the H200 sweep in tools/bench_moe.py (LLaDA2.0-mini shapes, JAX 0.11.2).
+    Picked from the H200 sweeps in tools/bench_moe.py (LLaDA2.0-mini shapes, JAX 0.11.2). upcast_weights: int8 or
+    e4m3 weights that the kernels up-cast to the activations' dtype.
     """
     rows_per_expert = num_assignments / num_experts
     if rows_per_expert <= 16:  # memory-bound: one 16-row tile per touched expert, wide weight tiles
         block_m, gate_up, down = 16, GemmTiles(128, 128, 4, 3), GemmTiles(256, 64, 4, 3)
     elif rows_per_expert <= 96:
         block_m, gate_up, down = 64, GemmTiles(128, 64, 4, 4), GemmTiles(256, 64, 4, 4)
+    elif upcast_weights:  # compute-bound; the wider tiles below were 5-10% slower for these at 8192 tokens
+        block_m, gate_up, down = 128, GemmTiles(64, 64, 8, 3), GemmTiles(128, 64, 8, 3)
     else:  # compute-bound
         block_m, gate_up, down = 128, GemmTiles(128, 64, 8, 4), GemmTiles(256, 64, 8, 3)
     return MoeTiles(
@@ -378,7 +381,8 @@ def _moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, *, fp8
     num_tokens, hidden = x.shape
     num_experts, _, two_inter = w_gate_up.shape
     if tiles is None:
-        tiles = default_tiles(expert_ids.size, num_experts, hidden, two_inter // 2)
+        upcast = isinstance(w_gate_up, QuantizedWeight) and not fp8_activations
+        tiles = default_tiles(expert_ids.size, num_experts, hidden, two_inter // 2, upcast)
     _check_tiles(tiles, hidden, two_inter // 2)
     groups = _group_by_expert(expert_ids, num_experts, tiles.block_m)
 
