@@ -199,7 +199,11 @@ def sweep_tiles(num_tokens):
     return [MoeTiles(128, GemmTiles(64, 64, 8, 3), GemmTiles(128, 64, 8, 3)),
             MoeTiles(128, GemmTiles(128, 64, 8, 3), GemmTiles(128, 64, 8, 4)),
             MoeTiles(128, GemmTiles(128, 64, 8, 3), GemmTiles(256, 64, 8, 4)),
-            MoeTiles(128, GemmTiles(128, 32, 8, 5), GemmTiles(256, 32, 8, 5))]
+            MoeTiles(128, GemmTiles(128, 32, 8, 5), GemmTiles(256, 32, 8, 5)),
+            # 64-row tiles halve the padding of each expert's last tile (25% -> 13% of rows at 8192 tokens)
+            MoeTiles(64, GemmTiles(128, 64, 4, 4), GemmTiles(256, 64, 4, 4)),
+            MoeTiles(64, GemmTiles(256, 64, 8, 3), GemmTiles(256, 64, 8, 3)),
+            MoeTiles(64, GemmTiles(128, 64, 8, 4), GemmTiles(256, 64, 8, 4))]
 
 
 def tiles_label(tiles):

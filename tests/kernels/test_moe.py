@@ -12,6 +12,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
 from jax.sharding import AbstractDevice, AbstractMesh
 
 from jaxllm.kernels.moe import (
@@ -19,6 +20,7 @@ from jaxllm.kernels.moe import (
     MoeTiles,
     _group_by_expert,
     _num_row_tiles,
+    _upcast,
     moe_experts,
     moe_experts_reference,
     route_grouped_sigmoid,
@@ -307,6 +309,24 @@ def test_unscaled_operands_pass_no_scale_arrays():
 
 
 # ---------------------------------------------------------------------------------------------- GPU only
+
+@gpu
+@requires_gpu
+def test_e4m3_upcast_is_exact_for_every_byte():
+    """The kernels' bit-arithmetic e4m3 -> bf16 up-cast (inline PTX, GPU only) against XLA's convert, bit for bit: all
+    256 bytes but e4m3fn's two NaN codes, each at several positions of the 4-byte groups the PTX unpacks."""
+    codes = jax.random.permutation(jax.random.key(3), jnp.arange(256 * 4, dtype=jnp.int32) % 256)
+    tile = jax.lax.bitcast_convert_type(codes.astype(jnp.uint8).reshape(32, 32), jnp.float8_e4m3fn)
+
+    def kernel(tile_ref, out_ref):
+        out_ref[...] = _upcast(tile_ref[...], jnp.bfloat16, interpret=False)
+
+    out = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(tile.shape, jnp.bfloat16))(tile)
+    expected = tile.astype(jnp.bfloat16)
+    out_bits, expected_bits = (np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint16)) for a in (out, expected))
+    checked = ~np.isnan(np.asarray(expected, np.float32))
+    np.testing.assert_array_equal(out_bits[checked], expected_bits[checked])
+
 
 @gpu
 @requires_gpu
