@@ -234,10 +234,10 @@ def _group_by_expert(expert_ids, num_experts, block_m):
 
 
 # e4m3 weight tiles are up-cast to bf16 by bit arithmetic, 4 values per PTX instance (one 32-bit register in, two
-# bf16 pairs out): byte permutes, logic ops and one bf16x2 FMA per pair instead of Triton's convert through f16 and
-# f32 on the GPU's conversion units. The fp8 layer measured 7-9% faster with it on the H200 (bench_moe, 32 to 2048
-# tokens). The same trick for int8 (bf16 bits 0x4300 | low 7 bits, minus 128 or 256 by the sign bit) measured no
-# faster than Triton's convert, in bench_moe and in the engine, so int8 keeps the plain astype.
+# bf16 pairs out): byte permutes, logic ops and one bf16x2 FMA per pair, where Triton's convert goes e4m3 -> f16 ->
+# bf16 with one F2F conversion instruction per value (sm_90 SASS). The fp8 layer measured 7-9% faster with it on the
+# H200 (bench_moe, 32 to 2048 tokens). For int8 Triton already emits byte permutes and a bf16x2 add, and the same
+# kind of PTX measured no faster, so int8 keeps the plain astype.
 #
 # e4m3 s.eeee.mmm placed as bf16 bits s << 15 | eeeemmm << 4 reads 2^(e-127) (1.mmm) (or the subnormal
 # 2^-126 0.mmm), so times 2^120 it is the e4m3 value 2^(e-7) (1.mmm), exactly. (e4m3fn's NaN is never a weight.)
