@@ -45,15 +45,18 @@ def touched_experts(num_experts: int, top_k: int, num_tokens: int) -> float:
 
 
 def forward_floor(cfg: ModelConfig, batch: int, window: int, context: int, weight_bytes: int = 2,
-                  kv_bytes: int = 2, experts_touched: float | None = None) -> dict:
+                  kv_bytes: int = 2, experts_touched: float | None = None,
+                  expert_weight_bytes: int | None = None) -> dict:
     """Bytes that must move and FLOPs that must run in one denoising forward; experts_touched (per MoE layer)
-    defaults to the expectation under uniform routing."""
+    defaults to the expectation under uniform routing. expert_weight_bytes: bytes per routed-expert weight (1 with
+    int8 / fp8 experts; the other weights keep weight_bytes)."""
     tokens = batch * window
     hidden, head = cfg.hidden_size, cfg.head_dim
     attention = hidden * (cfg.num_heads + 2 * cfg.num_kv_heads) * head + cfg.num_heads * head * hidden
     dense_layer = attention + 3 * hidden * cfg.intermediate_size
     lm_head = cfg.vocab_size * hidden
     params_read = params_per_token = cfg.num_layers * dense_layer + lm_head
+    expert_params_read = 0
     if cfg.moe is not None:
         moe = cfg.moe
         num_moe = cfg.num_layers - moe.first_k_dense_replace
@@ -62,10 +65,11 @@ def forward_floor(cfg: ModelConfig, batch: int, window: int, context: int, weigh
         fixed = moe.first_k_dense_replace * dense_layer + num_moe * moe_layer + lm_head
         if experts_touched is None:
             experts_touched = touched_experts(moe.num_experts, moe.num_experts_per_tok, tokens)
-        params_read = fixed + num_moe * experts_touched * expert
+        params_read, expert_params_read = fixed, num_moe * experts_touched * expert
         params_per_token = fixed + num_moe * moe.num_experts_per_tok * expert
     kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * head * kv_bytes
-    bytes_moved = params_read * weight_bytes + (batch * context + tokens) * kv_per_token
+    weight_bytes_read = params_read * weight_bytes + expert_params_read * (expert_weight_bytes or weight_bytes)
+    bytes_moved = weight_bytes_read + (batch * context + tokens) * kv_per_token
     flops = 2 * tokens * params_per_token + 4 * tokens * (context + window) * cfg.num_heads * head * cfg.num_layers
     memory_s, compute_s = bytes_moved / COPY_BANDWIDTH, flops / MATMUL_RATE
     return dict(bytes=bytes_moved, flops=flops, floor_ms=1e3 * max(memory_s, compute_s),
@@ -187,7 +191,7 @@ def main() -> None:
         if cfg.moe is not None:
             experts = measured_touched_experts(llm, prompts, runs[0]["outputs"], args.seed)
         floor = forward_floor(cfg, batch, llm.engine.block_size, args.input_len + args.output_len // 2,
-                              weight_bytes=1 if args.quantization else 2, experts_touched=experts)
+                              experts_touched=experts, expert_weight_bytes=1 if args.quantization else 2)
         for result in runs:
             del result["outputs"]
             result |= dict(model=cfg.model_type, batch=batch, block_size=llm.engine.block_size,

@@ -34,3 +34,12 @@ def test_the_floor_reads_only_touched_experts(llada2):
     assert more["bytes"] - few["bytes"] == pytest.approx(3 * num_moe_layers * expert_bytes)
     uniform = forward_floor(cfg, 1, BLOCK, 16)["bytes"]  # default: expected count under uniform routing
     assert few["bytes"] < uniform <= forward_floor(cfg, 1, BLOCK, 16, experts_touched=moe.num_experts)["bytes"]
+
+
+def test_quantized_experts_halve_only_the_expert_bytes_of_the_floor(llada2):
+    cfg = llada2.engine.model_config
+    moe = cfg.moe
+    expert_params = 3 * cfg.hidden_size * moe.moe_intermediate_size
+    num_moe_layers = cfg.num_layers - moe.first_k_dense_replace
+    bf16, int8 = (forward_floor(cfg, 1, BLOCK, 16, experts_touched=5, expert_weight_bytes=b)["bytes"] for b in (2, 1))
+    assert bf16 - int8 == pytest.approx(5 * num_moe_layers * expert_params)  # attention, router, LM head stay bf16
