@@ -11,7 +11,7 @@ after accumulating.
 `quantize_rows` does the same per row of an activation matrix, for the fp8 x fp8 path.
 
 `channel_major=True` stores the values as [..., N, K] instead: each output channel's K values contiguous, the
-operand layout of the MoE kernels' fp8 x fp8 path (kernels/moe.py); the weight's logical shape stays [..., K, N].
+layout the MoE kernels read 1-byte tiles fastest from (kernels/moe.py); the weight's logical shape stays [..., K, N].
 """
 
 import dataclasses

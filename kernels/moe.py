@@ -15,9 +15,10 @@ I expert width, R row tiles, bm rows per tile):
   w_gate_up       [E, H, 2I]   gate in [..., :I], up in [..., I:]
   w_down          [E, I, H]
   out[t] = sum_c w[t,c] * (silu(x[t] @ Wg[e]) * (x[t] @ Wu[e])) @ Wd[e],  e = expert_ids[t, c]
-Either weight may be a `jaxllm.quantization.QuantizedWeight` (int8 or e4m3 values [E, K, N], f32 scales [E, N]);
-the scale is applied after the K reduction. With `fp8_activations` (fp8 weights only) x and the SwiGLU output
-are quantized per row to e4m3 too and the GEMMs run fp8 x fp8 on the tensor cores.
+Either weight may be a `jaxllm.quantization.QuantizedWeight` (int8 or e4m3 values [E, K, N], or channel-major
+[E, N, K], the faster layout; f32 scales [E, N]); the scale is applied after the K reduction. With
+`fp8_activations` (fp8 weights only) x and the SwiGLU output are quantized per row to e4m3 too and the GEMMs run
+fp8 x fp8 on the tensor cores.
 
 Pallas path, all on device with static shapes:
   1. sort the A assignments by expert and give expert e the padded rows [start_e, start_e + ceil(n_e/bm)*bm);
@@ -280,14 +281,23 @@ def _dot(lhs, rhs, dtype, interpret):
     return jnp.dot(lhs, rhs, preferred_element_type=jnp.float32, precision=precision)
 
 
-def _weight_product(rows, w_ref, expert, ks, cols, channel_major, interpret):
-    """rows[bm, bk] @ W[expert][ks, cols] in f32: [bm, bn], or its transpose [bn, bm] for a channel-major weight.
+def _weight_on_left(channel_major, rows_dtype):
+    """Whether a channel-major weight tile [bn, bk] is the tile product's left operand (accumulators [bn, bm]).
 
-    A channel-major weight tile [bn, bk] is the product's left operand, so both operands are K-contiguous: the
-    layout fp8 x fp8 tensor-core MMAs take (1.7x faster at 8192 tokens on the H200). With weights up-cast to bf16 it
-    measured slower than the [K, N] layout (int8: 0.28 vs 0.22 ms at 32 tokens), which is why it is not the default."""
-    if channel_major:
+    Either way both operands are K-contiguous in shared memory, where a [K, N] 1-byte tile leaves it one byte per
+    load instruction (offline sm_90 compile: 256 byte loads per k-step in gate/up, against 16 ldmatrix for a
+    channel-major tile). Up-cast weights go right: 1.13x faster than [K, N] int8 at 32 tokens, 2x faster in the
+    engine's gate/up at batch 1 (H200, BENCHMARKS MoE run 6). Products of two fp8 tiles go left: the same at 32 to
+    2048 tokens, 1.84 against 2.13 ms at 8192."""
+    return channel_major and rows_dtype == jnp.float8_e4m3fn
+
+
+def _weight_product(rows, w_ref, expert, ks, cols, channel_major, interpret):
+    """rows[bm, bk] @ W[expert][ks, cols] in f32: [bm, bn], or its transpose [bn, bm] where `_weight_on_left`."""
+    if _weight_on_left(channel_major, rows.dtype):
         return _dot(w_ref[expert, cols, ks], rows.T, rows.dtype, interpret)
+    if channel_major:
+        return _dot(rows, w_ref[expert, cols, ks].T, rows.dtype, interpret)
     return _dot(rows, w_ref[expert, ks, cols], rows.dtype, interpret)
 
 
@@ -326,9 +336,10 @@ def _gate_up_kernel(tile_expert_ref, row_token_ref, x_ref, *refs, block_m, tiles
             up += _weight_product(x_tile, w_ref, expert, ks, up_cols, channel_major, interpret)
             return gate, up
 
-        zeros = jnp.zeros((tiles.block_n, block_m) if channel_major else (block_m, tiles.block_n), jnp.float32)
+        transposed = _weight_on_left(channel_major, x_ref.dtype)
+        zeros = jnp.zeros((tiles.block_n, block_m) if transposed else (block_m, tiles.block_n), jnp.float32)
         gate, up = lax.fori_loop(0, x_ref.shape[1] // tiles.block_k, accumulate, (zeros, zeros))
-        if channel_major:
+        if transposed:
             gate, up = gate.T, up.T
         if x_scale_ref is not None:
             x_scale = x_scale_ref[tokens][:, None]
@@ -356,9 +367,10 @@ def _down_kernel(tile_expert_ref, act_ref, *refs, block_m, tiles, has_act_scale,
             ks = pl.ds(k * tiles.block_k, tiles.block_k)
             return acc + _weight_product(act_ref[rows, ks], w_ref, expert, ks, cols, channel_major, interpret)
 
-        acc_shape = (tiles.block_n, block_m) if channel_major else (block_m, tiles.block_n)
+        transposed = _weight_on_left(channel_major, act_ref.dtype)
+        acc_shape = (tiles.block_n, block_m) if transposed else (block_m, tiles.block_n)
         acc = lax.fori_loop(0, act_ref.shape[1] // tiles.block_k, accumulate, jnp.zeros(acc_shape, jnp.float32))
-        if channel_major:
+        if transposed:
             acc = acc.T
         if act_scale_ref is not None:
             acc = acc * act_scale_ref[rows][:, None]
@@ -456,9 +468,9 @@ def moe_experts(x, expert_ids, expert_weights, w_gate_up, w_down, *, impl="auto"
     Args:
       impl: "pallas", "reference", or "auto" (Pallas on GPU, the reference elsewhere).
       interpret: run the Pallas kernels in interpret mode (CPU tests).
-      fp8_activations: with fp8 weights, quantize activations per row to e4m3 and run fp8 x fp8 GEMMs (fastest
-        with channel-major weights, `quantize(w, "fp8", channel_major=True)`: 1.7x at 8192 tokens on the H200);
-        otherwise quantized weights are up-cast in-kernel to x's dtype (fastest in the default layout).
+      fp8_activations: with fp8 weights, quantize activations per row to e4m3 and run fp8 x fp8 GEMMs;
+        otherwise quantized weights are up-cast in-kernel to x's dtype. Either way 1-byte weights run fastest
+        channel-major, `quantize(w, mode, channel_major=True)` (see `_weight_on_left`).
       tiles: a MoeTiles for the Pallas kernels; None picks `default_tiles` by shape.
     """
     _check_inputs(x, expert_ids, expert_weights, w_gate_up, w_down, fp8_activations)

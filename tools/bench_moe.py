@@ -145,18 +145,18 @@ def gather_dense_experts(x, expert_ids, expert_weights, w_gate_up, w_down, *, ca
 # ---------------------------------------------------------------------------------------------- the layer
 
 def make_weights(seed):
+    """({mode: (w_gate_up, w_down)} stored [E, K, N] as XLA's ragged_dot takes them, the same for the Pallas kernels:
+    1-byte weights channel-major, the layout the engine quantizes to (kernels/moe.py, `_weight_on_left`))."""
     keys = jax.random.split(jax.random.key(seed), 2)
     w_gate_up = (jax.random.normal(keys[0], (EXPERTS, HIDDEN, 2 * INTER)) / HIDDEN**0.5).astype(jnp.bfloat16)
     w_down = (jax.random.normal(keys[1], (EXPERTS, INTER, HIDDEN)) / INTER**0.5).astype(jnp.bfloat16)
     weights = {"bf16": (w_gate_up, w_down)}
+    kernel_weights = dict(weights)
     for mode in ("int8", "fp8"):
         weights[mode] = (quantize(w_gate_up, mode), quantize(w_down, mode))
-    return weights
-
-
-def fp8_channel_major(w_gate_up, w_down):
-    """The fp8 x fp8 path's weights: channel-major e4m3, the K-major operand layout fp8 tensor-core MMAs take."""
-    return quantize(w_gate_up, "fp8", channel_major=True), quantize(w_down, "fp8", channel_major=True)
+        kernel_weights[mode] = (quantize(w_gate_up, mode, channel_major=True),
+                                quantize(w_down, mode, channel_major=True))
+    return weights, kernel_weights
 
 
 def make_batch(num_tokens, seed):
@@ -213,30 +213,30 @@ def tiles_label(tiles):
             f"dn{d.block_n}x{d.block_k}w{d.num_warps}s{d.num_stages}")
 
 
-def variants(num_tokens, weights, capacity, sweep):
+def variants(num_tokens, weights, kernel_weights, capacity, sweep):
     """{(weights, impl): (fn, weight pair)} to time at this token count."""
     jobs = {}
     for mode, pair in weights.items():
-        jobs[(mode, "pallas")] = (functools.partial(moe_experts, impl="pallas"), pair)
+        jobs[(mode, "pallas")] = (functools.partial(moe_experts, impl="pallas"), kernel_weights[mode])
         if num_tokens <= RAGGED_DOT_MAX_TOKENS:
             jobs[(mode, "ragged_dot")] = (ragged_dot_experts, pair)
         jobs[(mode, "gather_dense")] = (functools.partial(gather_dense_experts, capacity=capacity), pair)
     jobs[("fp8", "pallas_fp8act")] = (functools.partial(moe_experts, impl="pallas", fp8_activations=True),
-                                      fp8_channel_major(*weights["bf16"]))
+                                      kernel_weights["fp8"])
     for tiles in sweep_tiles(num_tokens) if sweep else []:
         for mode in ("bf16", "int8") if num_tokens <= 256 else ("bf16",):
             jobs[(mode, f"pallas {tiles_label(tiles)}")] = (functools.partial(moe_experts, impl="pallas", tiles=tiles),
-                                                            weights[mode])
+                                                            kernel_weights[mode])
     return jobs
 
 
-def bench_tokens(num_tokens, weights, peaks, sweep, workers):
+def bench_tokens(num_tokens, weights, kernel_weights, peaks, sweep, workers):
     x, expert_ids, expert_weights = make_batch(num_tokens, seed=num_tokens)
     ids = np.asarray(expert_ids)
     touched = len(np.unique(ids))
     capacity = int(np.bincount(ids.ravel(), minlength=EXPERTS).max())
     flops = 2 * ids.size * 3 * HIDDEN * INTER
-    jobs = variants(num_tokens, weights, capacity, sweep)
+    jobs = variants(num_tokens, weights, kernel_weights, capacity, sweep)
     compiled = compile_all({key: (fn, (x, expert_ids, expert_weights, *pair)) for key, (fn, pair) in jobs.items()},
                            workers)
     block_m = default_tiles(ids.size, EXPERTS, HIDDEN, INTER).block_m
@@ -329,10 +329,10 @@ def main():
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
     peaks = ceilings()
     print(json.dumps(peaks), flush=True)
-    weights = make_weights(seed=0)
+    weights, kernel_weights = make_weights(seed=0)
     rows, errors = [], {}
     for num_tokens in args.tokens:
-        token_rows, outputs, batch = bench_tokens(num_tokens, weights, peaks, args.sweep, args.workers)
+        token_rows, outputs, batch = bench_tokens(num_tokens, weights, kernel_weights, peaks, args.sweep, args.workers)
         rows += token_rows
         if num_tokens == args.accuracy_tokens:
             errors = accuracy(outputs, batch, weights)

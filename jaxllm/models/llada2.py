@@ -78,8 +78,9 @@ class LLaDA2(DecoderLM):
 
 
 def quantize_weights(model: LLaDA2, mode: str) -> LLaDA2:
-    """Quantize the routed experts (nearly all of the weight bytes) to int8 or fp8, one layer at a time."""
-    quantize_one = jax.jit(lambda w: quantize(w, mode))
+    """Quantize the routed experts (nearly all of the weight bytes) to int8 or fp8, one layer at a time, stored
+    channel-major (the layout the MoE kernels read 1-byte tiles from with ldmatrix; see kernels/moe.py)."""
+    quantize_one = jax.jit(lambda w: quantize(w, mode, channel_major=True))
     for layer in model.layers[model.cfg.moe.first_k_dense_replace:]:
         for param in (layer.mlp.experts_gate_up, layer.mlp.experts_down):
             param.set_value(quantize_one(param.get_value()))
