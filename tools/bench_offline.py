@@ -16,6 +16,7 @@ distinct experts per layer of the whole batch are averaged. `--steps-per-round` 
 import argparse
 import functools
 import json
+import os
 import pathlib
 import tempfile
 import time
@@ -28,7 +29,7 @@ from flax import nnx
 from jaxllm import LLM, SamplingParams
 from jaxllm.config import ModelConfig
 from jaxllm.models.layers import DenseMetadata
-from tools.device_profile import device_kernel_times, print_kernel_table
+from tools.device_profile import device_kernel_times, hlo_dump_flags, print_kernel_table
 
 PROFILE_SCOPES = ("paged_attention", "moe_experts", "lm_head", "sampler")
 COLUMNS = ["model", "batch", "block_size", "steps_per_round", "rounds", "seconds", "output_tokens_per_s",
@@ -127,7 +128,8 @@ def measured_touched_experts(llm: LLM, prompts: list[list[int]], outputs: list[l
         still_masked = rng.permutation(block)[:block - state * block // num_states]  # the same in every request
         used = None
         for prompt, output in zip(prompts, outputs):
-            window = np.array(output[:block])
+            window = np.full(block, mask_id)  # an output shorter than a block leaves the rest of it masked
+            window[:len(output[:block])] = output[:block]
             window[still_masked] = mask_id
             layers = route(engine.runner.params, jnp.asarray([prompt + window.tolist()], jnp.int32))
             hits = [np.bincount(np.asarray(ids).ravel(), minlength=engine.model_config.moe.num_experts) > 0
@@ -170,6 +172,9 @@ def main() -> None:
                         help="profile one more run per batch size and print the N slowest kernels (GPU)")
     parser.add_argument("--json", help="append one JSON line per run to this file")
     args = parser.parse_args()
+    hlo_dump = tempfile.TemporaryDirectory(prefix="bench_offline_hlo_") if args.profile else None
+    if hlo_dump:  # the optimized HLO names each profiled kernel's source; set before JAX starts its backend
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {hlo_dump_flags(hlo_dump.name)}"
 
     model_dir = model_dir_for(args)
     llm = make_llm(args, model_dir, max(args.batch))  # one engine: weights made once, a compile per batch size
@@ -183,7 +188,8 @@ def main() -> None:
         llm.engine.runner.max_steps_per_round = default_cap
         if args.profile:  # before the expert count: the H200 ran the next round 8% slower after that other jit
             forwards_before = llm.engine.num_forwards
-            profile = device_kernel_times(functools.partial(run, llm, prompts, args.output_len), PROFILE_SCOPES)
+            profile = device_kernel_times(functools.partial(run, llm, prompts, args.output_len), PROFILE_SCOPES,
+                                          hlo_dump and hlo_dump.name)
             print(f"profile: {cfg.model_type} batch {batch}")
             print_kernel_table(*profile, top=args.profile, per=llm.engine.num_forwards - forwards_before,
                                unit="forward")

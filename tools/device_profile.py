@@ -3,15 +3,24 @@
 Used by the benchmarks (`--profile N`) to name the gap between a measured time and its floor. Reads the XSpace that
 `jax.profiler` writes through `jax.profiler.ProfileData`, so it needs no TensorBoard or xprof install. Kernel names
 are XLA's (fusions, GEMMs) or a Pallas kernel's `name=`; a CPU run has no device plane and reports nothing.
+
+Inside XLA's command buffers a kernel carries no JAX name stack, so scopes cannot say where it came from. Given the
+optimized HLO that XLA dumps (`XLA_FLAGS=--xla_dump_to=DIR`, see `hlo_dump_flags`), `hlo_sources` names each
+fusion's origin instead: the innermost frames of the Python stack XLA keeps for every instruction.
 """
 
 import collections
 import dataclasses
 import glob
+import os
+import pathlib
+import re
 import tempfile
 
 import jax
 from jax.profiler import ProfileData
+
+REPOSITORY = pathlib.Path(__file__).resolve().parents[1]
 
 
 @dataclasses.dataclass
@@ -19,10 +28,14 @@ class KernelTime:
     name: str
     total_us: float
     count: int
+    program_id: int | None = None  # the XLA executable that launched it (its HLO dump is module_<id>.*)
+    source: str = ""  # where in the Python source, from the HLO dump ("" if not known)
 
 
-def device_kernel_times(fn, scopes: tuple[str, ...] = ()) -> tuple[list[KernelTime], dict[str, float], float]:
-    """kernel_times(profile of fn(), scopes); fn must block until its device work is done."""
+def device_kernel_times(fn, scopes: tuple[str, ...] = (), hlo_dump_dir: str | None = None
+                        ) -> tuple[list[KernelTime], dict[str, float], float]:
+    """kernel_times(profile of fn(), scopes); fn must block until its device work is done. With the directory XLA
+    dumped the executables' HLO to, each kernel's `source` is filled in."""
     with tempfile.TemporaryDirectory() as trace_dir:
         jax.profiler.start_trace(trace_dir)
         try:
@@ -30,7 +43,70 @@ def device_kernel_times(fn, scopes: tuple[str, ...] = ()) -> tuple[list[KernelTi
         finally:
             jax.profiler.stop_trace()
         paths = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
-        return kernel_times(ProfileData.from_file(paths[0]), scopes)
+        kernels, by_scope, busy_us = kernel_times(ProfileData.from_file(paths[0]), scopes)
+    if hlo_dump_dir:
+        sources = hlo_sources(read_hlo_dumps(hlo_dump_dir))
+        for kernel in kernels:
+            kernel.source = source_of(kernel, sources)
+    return kernels, by_scope, busy_us
+
+
+def hlo_dump_flags(dump_dir: str, module_pattern: str = ".*") -> str:
+    """XLA_FLAGS that dump the optimized HLO of the modules matching the pattern; set before JAX starts its backend."""
+    return f"--xla_dump_to={dump_dir} --xla_dump_hlo_module_re={module_pattern}"
+
+
+def read_hlo_dumps(dump_dir: str) -> dict[int, str]:
+    """{program id: optimized HLO text} of the modules XLA dumped to dump_dir."""
+    texts = {}
+    for path in glob.glob(os.path.join(dump_dir, "module_*after_optimizations.txt")):
+        texts[int(os.path.basename(path).split(".")[0].removeprefix("module_"))] = pathlib.Path(path).read_text()
+    return texts
+
+
+def _table(text: str, title: str) -> dict[int, str]:
+    """One of the numbered tables (FileNames, FunctionNames, FileLocations, StackFrames) heading an HLO text."""
+    found = re.search(rf"^{title}\n(.*?)(?:\n\n|\Z)", text, re.M | re.S)
+    rows = found.group(1).splitlines() if found else []
+    return {int(row.split(" ", 1)[0]): row.split(" ", 1)[1] for row in rows}
+
+
+def hlo_sources(texts: dict[int, str], depth: int = 2) -> dict[tuple[int, str], str]:
+    """{(program id, instruction name): "file.py:function < file.py:caller"} for every instruction of the optimized
+    HLO texts whose Python stack passes through this repository (tools/ excluded), innermost `depth` frames first."""
+    sources = {}
+    for program_id, text in texts.items():
+        files = {key: value.strip('"') for key, value in _table(text, "FileNames").items()}
+        functions = {key: value.strip('"') for key, value in _table(text, "FunctionNames").items()}
+        locations = {}
+        for key, value in _table(text, "FileLocations").items():
+            fields = dict(re.findall(r"(\w+)=(\d+)", value))
+            locations[key] = (files[int(fields["file_name_id"])], functions[int(fields["function_name_id"])])
+        frames = {}  # frame -> (location, parent frame); XLA prints a parent as its id + 1, 1 for none
+        for key, value in _table(text, "StackFrames").items():
+            fields = dict(re.findall(r"(\w+)=(\d+)", value))
+            frames[key] = (locations[int(fields["file_location_id"])], int(fields["parent_frame_id"]) - 1)
+        where = {}
+        for frame in frames:
+            names, current = [], frame
+            while current in frames and len(names) < depth:
+                (path, function), current = frames[current]
+                inside = pathlib.Path(path).resolve().is_relative_to(REPOSITORY)
+                if inside and not pathlib.Path(path).resolve().is_relative_to(REPOSITORY / "tools"):
+                    names.append(f"{pathlib.Path(path).name}:{function}")
+            where[frame] = " < ".join(names)
+        for name, frame in re.findall(r"^\s*(?:ROOT )?%([\w.\-]+) = .*?stack_frame_id=(\d+)", text, re.M):
+            if where.get(int(frame)):
+                sources[(program_id, name)] = where[int(frame)]
+    return sources
+
+
+def source_of(kernel: KernelTime, sources: dict[tuple[int, str], str]) -> str:
+    """A kernel's source: its name is its HLO instruction's, with the profiler's "_" for the ".N" suffixes."""
+    for name in (kernel.name, re.sub(r"_(\d+)", r".\1", kernel.name)):
+        if (kernel.program_id, name) in sources:
+            return sources[(kernel.program_id, name)]
+    return ""
 
 
 def kernel_times(data: ProfileData, scopes: tuple[str, ...] = ()) -> tuple[list[KernelTime], dict[str, float], float]:
@@ -39,28 +115,42 @@ def kernel_times(data: ProfileData, scopes: tuple[str, ...] = ()) -> tuple[list[
     A kernel counts towards the first of `scopes` (JAX named_call / named_scope names) found in its name or its op's
     name stack, else towards "other"."""
     totals, counts, by_scope = collections.defaultdict(float), collections.Counter(), collections.Counter()
+    # kernels are told apart by executable too: the prefill's and the decode step's "fusion_12" are different code
     device_lines = [line for plane in data.planes if plane.name.startswith("/device:") for line in plane.lines]
     stream_lines = [line for line in device_lines if line.name.startswith("Stream")]
     if device_lines and not stream_lines:
         print("device_profile: no 'Stream' lines; device lines are", sorted({line.name for line in device_lines}))
     for line in stream_lines:  # one line per CUDA stream holds its kernels; other lines regroup them by op
         for event in line.events:
-            totals[event.name] += event.duration_ns / 1e3
-            counts[event.name] += 1
-            op_name = " ".join(str(value) for key, value in event.stats if key in ("tf_op", "hlo_op", "name"))
+            stats = dict(event.stats)
+            kernel = (event.name, int(stats["program_id"]) if "program_id" in stats else None)
+            totals[kernel] += event.duration_ns / 1e3
+            counts[kernel] += 1
+            op_name = " ".join(str(stats[key]) for key in ("tf_op", "hlo_op", "name") if key in stats)
             scope = next((s for s in scopes if s in op_name or s in event.name), "other")
             by_scope[scope] += event.duration_ns / 1e3
-    kernels = sorted((KernelTime(n, t, counts[n]) for n, t in totals.items()), key=lambda k: -k.total_us)
+    kernels = sorted((KernelTime(name, total, counts[(name, program)], program)
+                      for (name, program), total in totals.items()), key=lambda k: -k.total_us)
     return kernels, dict(by_scope), sum(k.total_us for k in kernels)
 
 
 def print_kernel_table(kernels: list[KernelTime], by_scope: dict[str, float], busy_us: float, top: int, per: int = 1,
                        unit: str = "call") -> None:
-    """Scope totals and the top kernels with their share of device busy time, per `per` units (e.g. per forward)."""
+    """Scope totals and the top kernels with their share of device busy time, per `per` units (e.g. per forward);
+    with sources known, the totals per source function (a kernel without a source counts under its own name)."""
     print(f"device busy {busy_us / per:.1f} us per {unit}; by scope: " + ", ".join(
         f"{scope} {us / per:.1f} us ({100 * us / busy_us:.0f}%)" for scope, us in sorted(by_scope.items(),
                                                                                           key=lambda kv: -kv[1])))
     print(f"top {top} kernels:")
     for kernel in kernels[:top]:
         print(f"  {kernel.total_us / per:9.1f} us  {100 * kernel.total_us / busy_us:5.1f}%  "
-              f"x{kernel.count / per:<6.1f} {kernel.name[:100]}")
+              f"x{kernel.count / per:<6.1f} {kernel.name[:60]:<60} {kernel.source}")
+    if any(kernel.source for kernel in kernels):
+        by_function, launches = collections.Counter(), collections.Counter()
+        for kernel in kernels:
+            function = kernel.source.split(" < ")[0] if kernel.source else kernel.name
+            by_function[function] += kernel.total_us
+            launches[function] += kernel.count
+        print(f"by source function (us per {unit}, kernels per {unit}):")
+        for function, us in by_function.most_common():
+            print(f"  {us / per:9.1f} us  {100 * us / busy_us:5.1f}%  x{launches[function] / per:<6.1f} {function}")

@@ -25,6 +25,14 @@ def test_touched_experts_are_the_union_of_the_batch_routing(llada2):
     assert measured_touched_experts(llada2, prompts, outputs, seed=0) > one  # another prompt adds experts
 
 
+def test_touched_experts_of_an_output_shorter_than_a_block(llada2):
+    prompts = [list(range(5, 13))]
+    short = [o.token_ids for o in llada2.generate(prompts, SamplingParams(max_tokens=BLOCK // 2, ignore_eos=True))]
+    assert len(short[0]) < BLOCK
+    touched = measured_touched_experts(llada2, prompts, short, seed=0)
+    assert llada2.engine.model_config.moe.num_experts_per_tok <= touched <= llada2.engine.model_config.moe.num_experts
+
+
 def test_the_floor_reads_only_touched_experts(llada2):
     cfg = llada2.engine.model_config
     moe = cfg.moe

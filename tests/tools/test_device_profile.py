@@ -1,8 +1,10 @@
-"""Totalling a profile's device kernels, on a hand-written XSpace (no GPU needed)."""
+"""Totalling a profile's device kernels on hand-written XSpaces, and naming their sources from HLO (no GPU needed)."""
 
+import jax
+import jax.numpy as jnp
 from jax.profiler import ProfileData
 
-from tools.device_profile import kernel_times
+from tools.device_profile import KernelTime, hlo_sources, kernel_times, print_kernel_table, source_of
 
 ATTENTION_OP = 'stats { metadata_id: 1 str_value: "jit(step)/layer/paged_attention/pallas_call" }'
 XSPACE = f"""
@@ -33,3 +35,52 @@ def test_kernels_are_totalled_from_stream_lines_only_and_grouped_by_scope():
                                                                  ("gemm_fusion", 1.0, 1)]
     assert busy_us == 6.0  # the "XLA Ops" line repeats kernels and the host plane is not device time
     assert by_scope == {"paged_attention": 5.0, "other": 1.0}
+
+
+def _sine_of(x):
+    return jnp.sin(x) * 3.0
+
+
+def _outer(x):
+    return _sine_of(x).sum() + jnp.cos(x).max()
+
+
+def test_hlo_sources_name_the_python_frames_of_each_instruction():
+    text = jax.jit(_outer).lower(jnp.ones(8)).compile().as_text()
+    sources = hlo_sources({7: text})
+    sine = {name: where for (_, name), where in sources.items() if where.startswith("test_device_profile.py:_sine_of")}
+    assert sine and set(sine.values()) == {"test_device_profile.py:_sine_of < test_device_profile.py:_outer"}
+    assert all(program == 7 for program, _ in sources)
+    # the profiler spells an instruction's ".N" suffixes "_N"; the program id picks the executable's dump
+    name = next(iter(sine))
+    assert source_of(KernelTime(name.replace(".", "_"), 1.0, 1, program_id=7), sources) == sine[name]
+    assert source_of(KernelTime(name.replace(".", "_"), 1.0, 1, program_id=8), sources) == ""
+
+
+def test_kernels_of_different_executables_stay_apart_and_sum_by_source(capsys):
+    program = 'stats {{ metadata_id: 2 int64_value: {} }}'
+    xspace = f"""
+planes {{
+  id: 1 name: "/device:GPU:0"
+  lines {{
+    id: 1 name: "Stream #7(Compute)"
+    events {{ metadata_id: 1 offset_ps: 0 duration_ps: 3000000 {program.format(11)} }}
+    events {{ metadata_id: 1 offset_ps: 4000000 duration_ps: 1000000 {program.format(12)} }}
+    events {{ metadata_id: 2 offset_ps: 6000000 duration_ps: 2000000 {program.format(11)} }}
+  }}
+  event_metadata {{ key: 1 value {{ id: 1 name: "fusion_3" }} }}
+  event_metadata {{ key: 2 value {{ id: 2 name: "moe_gate_up" }} }}
+  stat_metadata {{ key: 2 value {{ id: 2 name: "program_id" }} }}
+}}
+"""
+    kernels, _, busy_us = kernel_times(ProfileData.from_text_proto(xspace))
+    assert [(k.name, k.program_id, k.total_us) for k in kernels] == [("fusion_3", 11, 3.0), ("moe_gate_up", 11, 2.0),
+                                                                      ("fusion_3", 12, 1.0)]
+    sources = {(11, "fusion.3"): "layers.py:RMSNorm.__call__ < layers.py:DecoderLayer.__call__",
+               (12, "fusion.3"): "layers.py:RMSNorm.__call__ < layers.py:Attention.__call__"}
+    for kernel in kernels:
+        kernel.source = source_of(kernel, sources)
+    print_kernel_table(kernels, {}, busy_us, top=3)
+    summary = capsys.readouterr().out.split("by source function")[1].splitlines()[1:]
+    assert [line.split()[0] for line in summary] == ["4.0", "2.0"]  # the two RMSNorm kernels, then the Pallas one
+    assert summary[0].endswith("layers.py:RMSNorm.__call__") and summary[1].endswith("moe_gate_up")
