@@ -1,10 +1,12 @@
 """Load-time int8 / fp8 quantization of the routed experts: its cost in logits, and the engine option end to end."""
 
+import jax
 import jax.numpy as jnp
 import pytest
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.config import ConfigError
+from jaxllm.quantization import QuantizedWeight, dequantize
 from tools.quantization_error import quantization_errors
 
 OPTIONS = dict(dtype="float32", block_size=4, max_num_seqs=4, max_model_len=64, num_pages=32)
@@ -24,20 +26,21 @@ def test_quantized_experts_cost_a_small_logit_error(checkpoints):
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def confident_llada2(checkpoints):
-    """A tiny LLaDA2 whose top tokens lead by wide margins, and its unquantized greedy tokens."""
-    checkpoint = checkpoints("llada2", lm_head_scale=60)
-    return checkpoint, [o.token_ids for o in LLM(checkpoint, **OPTIONS).generate(PROMPTS, GREEDY)]
-
-
 @pytest.mark.parametrize("mode, dtype", [("int8", jnp.int8), ("fp8", jnp.float8_e4m3fn)])
-def test_engine_with_quantized_experts_keeps_greedy_tokens(confident_llada2, mode, dtype):
-    """The greedy tokens survive quantization, and the engine really holds 1-byte experts."""
-    checkpoint, reference = confident_llada2
+def test_engine_with_quantized_experts_runs_the_dequantized_model(checkpoints, mode, dtype):
+    """`quantization=` changes how the experts are stored and nothing else: the engine holds 1-byte experts, and its
+    greedy tokens are those of the same engine given the dequantized experts as plain weights. (Equal tokens to the
+    unquantized model are not a property of quantization: where two positions' confidences nearly tie, any change
+    of the weights can change which is committed first; the cost itself is bounded by the logit-error test.)"""
+    checkpoint = checkpoints("llada2")
     quantized = LLM(checkpoint, quantization=mode, **OPTIONS)
     assert sum(w.dtype == dtype for w in quantized.engine.runner.weights) == 4  # 2 MoE layers x gate_up, down
-    assert [o.token_ids for o in quantized.generate(PROMPTS, GREEDY)] == reference
+    dequantized = LLM(checkpoint, **OPTIONS)
+    plain = jax.tree.map(dequantize, quantized.engine.runner.params, is_leaf=lambda w: isinstance(w, QuantizedWeight))
+    assert jax.tree.structure(plain) == jax.tree.structure(dequantized.engine.runner.params)
+    dequantized.engine.runner.weights = jax.tree.leaves(plain)
+    tokens = [o.token_ids for o in quantized.generate(PROMPTS, GREEDY)]
+    assert tokens == [o.token_ids for o in dequantized.generate(PROMPTS, GREEDY)]
 
 
 def test_quantizing_a_dense_model_is_a_config_error(checkpoints):
