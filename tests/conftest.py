@@ -18,7 +18,7 @@ def checkpoints(tmp_path_factory):
     made = {}
 
     def get(arch: str, dtype: str = "f32", lm_head_scale: float = 1, **overrides):
-        key = (arch, dtype, lm_head_scale, tuple(sorted(overrides.items())))
+        key = (arch, dtype, float(lm_head_scale), tuple(sorted(overrides.items())))
         if key not in made:
             out = tmp_path_factory.mktemp(f"{arch}_{dtype}")
             # the seed depends on the checkpoint alone, not on which tests asked for checkpoints first

@@ -145,8 +145,9 @@ def gather_dense_experts(x, expert_ids, expert_weights, w_gate_up, w_down, *, ca
 # ---------------------------------------------------------------------------------------------- the layer
 
 def make_weights(seed):
-    """({mode: (w_gate_up, w_down)} stored [E, K, N] as XLA's ragged_dot takes them, the same for the Pallas kernels:
-    1-byte weights channel-major, the layout the engine quantizes to (kernels/moe.py, `_weight_on_left`))."""
+    """(weights, kernel_weights): {mode: (w_gate_up, w_down)} for bf16, int8 and fp8. `weights` are [E, K, N], as
+    the XLA baselines take them; `kernel_weights`, for the Pallas kernels, hold the 1-byte weights channel-major, the
+    layout the engine quantizes to (kernels/moe.py, `_weight_on_left`)."""
     keys = jax.random.split(jax.random.key(seed), 2)
     w_gate_up = (jax.random.normal(keys[0], (EXPERTS, HIDDEN, 2 * INTER)) / HIDDEN**0.5).astype(jnp.bfloat16)
     w_down = (jax.random.normal(keys[1], (EXPERTS, INTER, HIDDEN)) / INTER**0.5).astype(jnp.bfloat16)

@@ -192,7 +192,7 @@ def main() -> None:
                                           hlo_dump and hlo_dump.name)
             print(f"profile: {cfg.model_type} batch {batch}")
             print_kernel_table(*profile, top=args.profile, per=llm.engine.num_forwards - forwards_before,
-                               unit="forward")
+                               unit="forward (the run's prefill included)")
         experts = None
         if cfg.moe is not None:
             experts = measured_touched_experts(llm, prompts, runs[0]["outputs"], args.seed)

@@ -11,6 +11,7 @@ fusion's origin instead: the innermost frames of the Python stack XLA keeps for 
 
 import collections
 import dataclasses
+import functools
 import glob
 import os
 import pathlib
@@ -71,9 +72,23 @@ def _table(text: str, title: str) -> dict[int, str]:
     return {int(row.split(" ", 1)[0]): row.split(" ", 1)[1] for row in rows}
 
 
+def _profiler_spelling(name: str) -> str:
+    """An HLO instruction's name as the profiler spells its kernel: "." and "-" become "_" (fusion.12 -> fusion_12)."""
+    return re.sub(r"[.\-]", "_", name)
+
+
+@functools.cache
+def _in_project(path: str) -> bool:
+    """A frame of this repository's engine code: not tools/, not an installed package under the repository."""
+    resolved = pathlib.Path(path).resolve()
+    return (resolved.is_relative_to(REPOSITORY) and not resolved.is_relative_to(REPOSITORY / "tools")
+            and "site-packages" not in resolved.parts)
+
+
 def hlo_sources(texts: dict[int, str], depth: int = 2) -> dict[tuple[int, str], str]:
-    """{(program id, instruction name): "file.py:function < file.py:caller"} for every instruction of the optimized
-    HLO texts whose Python stack passes through this repository (tools/ excluded), innermost `depth` frames first."""
+    """{(program id, instruction name as the profiler spells it): "file.py:function < file.py:caller"} for every
+    instruction of the optimized HLO texts whose Python stack passes through the engine's code (`_in_project`),
+    innermost `depth` frames first."""
     sources = {}
     for program_id, text in texts.items():
         files = {key: value.strip('"') for key, value in _table(text, "FileNames").items()}
@@ -88,25 +103,22 @@ def hlo_sources(texts: dict[int, str], depth: int = 2) -> dict[tuple[int, str], 
             frames[key] = (locations[int(fields["file_location_id"])], int(fields["parent_frame_id"]) - 1)
         where = {}
         for frame in frames:
-            names, current = [], frame
-            while current in frames and len(names) < depth:
+            names, current, steps = [], frame, 0
+            while current in frames and len(names) < depth and steps < len(frames):  # a cyclic table ends too
                 (path, function), current = frames[current]
-                inside = pathlib.Path(path).resolve().is_relative_to(REPOSITORY)
-                if inside and not pathlib.Path(path).resolve().is_relative_to(REPOSITORY / "tools"):
+                steps += 1
+                if _in_project(path):
                     names.append(f"{pathlib.Path(path).name}:{function}")
             where[frame] = " < ".join(names)
         for name, frame in re.findall(r"^\s*(?:ROOT )?%([\w.\-]+) = .*?stack_frame_id=(\d+)", text, re.M):
             if where.get(int(frame)):
-                sources[(program_id, name)] = where[int(frame)]
+                sources[(program_id, _profiler_spelling(name))] = where[int(frame)]
     return sources
 
 
 def source_of(kernel: KernelTime, sources: dict[tuple[int, str], str]) -> str:
-    """A kernel's source: its name is its HLO instruction's, with the profiler's "_" for the ".N" suffixes."""
-    for name in (kernel.name, re.sub(r"_(\d+)", r".\1", kernel.name)):
-        if (kernel.program_id, name) in sources:
-            return sources[(kernel.program_id, name)]
-    return ""
+    """A kernel's source ("" if unknown): an XLA kernel is named after its HLO instruction."""
+    return sources.get((kernel.program_id, _profiler_spelling(kernel.name)), "")
 
 
 def kernel_times(data: ProfileData, scopes: tuple[str, ...] = ()) -> tuple[list[KernelTime], dict[str, float], float]:
@@ -115,7 +127,6 @@ def kernel_times(data: ProfileData, scopes: tuple[str, ...] = ()) -> tuple[list[
     A kernel counts towards the first of `scopes` (JAX named_call / named_scope names) found in its name or its op's
     name stack, else towards "other"."""
     totals, counts, by_scope = collections.defaultdict(float), collections.Counter(), collections.Counter()
-    # kernels are told apart by executable too: the prefill's and the decode step's "fusion_12" are different code
     device_lines = [line for plane in data.planes if plane.name.startswith("/device:") for line in plane.lines]
     stream_lines = [line for line in device_lines if line.name.startswith("Stream")]
     if device_lines and not stream_lines:
@@ -123,6 +134,7 @@ def kernel_times(data: ProfileData, scopes: tuple[str, ...] = ()) -> tuple[list[
     for line in stream_lines:  # one line per CUDA stream holds its kernels; other lines regroup them by op
         for event in line.events:
             stats = dict(event.stats)
+            # told apart by executable too: the prefill's and the decode step's "fusion_12" are different code
             kernel = (event.name, int(stats["program_id"]) if "program_id" in stats else None)
             totals[kernel] += event.duration_ns / 1e3
             counts[kernel] += 1
@@ -142,9 +154,14 @@ def print_kernel_table(kernels: list[KernelTime], by_scope: dict[str, float], bu
         f"{scope} {us / per:.1f} us ({100 * us / busy_us:.0f}%)" for scope, us in sorted(by_scope.items(),
                                                                                           key=lambda kv: -kv[1])))
     print(f"top {top} kernels:")
+    programs_of = collections.defaultdict(set)
+    for kernel in kernels:
+        programs_of[kernel.name].add(kernel.program_id)
     for kernel in kernels[:top]:
+        # a name launched by several executables carries the executable's id
+        name = kernel.name if len(programs_of[kernel.name]) == 1 else f"{kernel.name} @{kernel.program_id}"
         print(f"  {kernel.total_us / per:9.1f} us  {100 * kernel.total_us / busy_us:5.1f}%  "
-              f"x{kernel.count / per:<6.1f} {kernel.name[:60]:<60} {kernel.source}")
+              f"x{kernel.count / per:<6.1f} {name[:60]:<60} {kernel.source}")
     if any(kernel.source for kernel in kernels):
         by_function, launches = collections.Counter(), collections.Counter()
         for kernel in kernels:

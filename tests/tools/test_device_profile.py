@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 from jax.profiler import ProfileData
 
-from tools.device_profile import KernelTime, hlo_sources, kernel_times, print_kernel_table, source_of
+from tools.device_profile import REPOSITORY, KernelTime, hlo_sources, kernel_times, print_kernel_table, source_of
 
 ATTENTION_OP = 'stats { metadata_id: 1 str_value: "jit(step)/layer/paged_attention/pallas_call" }'
 XSPACE = f"""
@@ -51,10 +51,44 @@ def test_hlo_sources_name_the_python_frames_of_each_instruction():
     sine = {name: where for (_, name), where in sources.items() if where.startswith("test_device_profile.py:_sine_of")}
     assert sine and set(sine.values()) == {"test_device_profile.py:_sine_of < test_device_profile.py:_outer"}
     assert all(program == 7 for program, _ in sources)
-    # the profiler spells an instruction's ".N" suffixes "_N"; the program id picks the executable's dump
+    # keys are spelled as the profiler names kernels ("_" for "."); the program id picks the executable's dump
     name = next(iter(sine))
-    assert source_of(KernelTime(name.replace(".", "_"), 1.0, 1, program_id=7), sources) == sine[name]
-    assert source_of(KernelTime(name.replace(".", "_"), 1.0, 1, program_id=8), sources) == ""
+    assert "." not in name
+    assert source_of(KernelTime(name, 1.0, 1, program_id=7), sources) == sine[name]
+    assert source_of(KernelTime(name, 1.0, 1, program_id=8), sources) == ""
+
+
+def test_hlo_sources_follow_each_frame_to_its_caller():
+    """XLA prints a frame's parent as the parent's id + 1 (1: no parent); frame 2 sits between a frame and its real
+    caller here, so reading the field as an id names the wrong caller."""
+    path = REPOSITORY / "jaxllm" / "models" / "layers.py"
+    text = f"""HloModule m
+
+FileNames
+1 "{path}"
+
+FunctionNames
+1 "outer"
+2 "unrelated"
+3 "inner"
+
+FileLocations
+1 {{file_name_id=1 function_name_id=1 line=10 end_line=10 column=0 end_column=9}}
+2 {{file_name_id=1 function_name_id=2 line=20 end_line=20 column=0 end_column=9}}
+3 {{file_name_id=1 function_name_id=3 line=30 end_line=30 column=0 end_column=9}}
+
+StackFrames
+1 {{file_location_id=1 parent_frame_id=1}}
+2 {{file_location_id=2 parent_frame_id=1}}
+3 {{file_location_id=3 parent_frame_id=2}}
+
+
+ENTRY %main (p: f32[8]) -> f32[8] {{
+  %p = f32[8]{{0}} parameter(0)
+  ROOT %sine.3 = f32[8]{{0}} sine(%p), metadata={{op_name="sin" stack_frame_id=3}}
+}}
+"""
+    assert hlo_sources({1: text}, depth=3) == {(1, "sine_3"): "layers.py:inner < layers.py:outer"}
 
 
 def test_kernels_of_different_executables_stay_apart_and_sum_by_source(capsys):
@@ -76,8 +110,8 @@ planes {{
     kernels, _, busy_us = kernel_times(ProfileData.from_text_proto(xspace))
     assert [(k.name, k.program_id, k.total_us) for k in kernels] == [("fusion_3", 11, 3.0), ("moe_gate_up", 11, 2.0),
                                                                       ("fusion_3", 12, 1.0)]
-    sources = {(11, "fusion.3"): "layers.py:RMSNorm.__call__ < layers.py:DecoderLayer.__call__",
-               (12, "fusion.3"): "layers.py:RMSNorm.__call__ < layers.py:Attention.__call__"}
+    sources = {(11, "fusion_3"): "layers.py:RMSNorm.__call__ < layers.py:DecoderLayer.__call__",
+               (12, "fusion_3"): "layers.py:RMSNorm.__call__ < layers.py:Attention.__call__"}
     for kernel in kernels:
         kernel.source = source_of(kernel, sources)
     print_kernel_table(kernels, {}, busy_us, top=3)
