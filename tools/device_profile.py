@@ -52,9 +52,9 @@ def device_kernel_times(fn, scopes: tuple[str, ...] = (), hlo_dump_dir: str | No
     return kernels, by_scope, busy_us
 
 
-def hlo_dump_flags(dump_dir: str, module_pattern: str = ".*") -> str:
-    """XLA_FLAGS that dump the optimized HLO of the modules matching the pattern; set before JAX starts its backend."""
-    return f"--xla_dump_to={dump_dir} --xla_dump_hlo_module_re={module_pattern}"
+def hlo_dump_flags(dump_dir: str) -> str:
+    """XLA_FLAGS that dump every module's optimized HLO to dump_dir; set before JAX starts its backend."""
+    return f"--xla_dump_to={dump_dir}"
 
 
 def read_hlo_dumps(dump_dir: str) -> dict[int, str]:
