@@ -350,3 +350,23 @@ def test_full_size_layer_on_gpu(mode, num_tokens):
     rtol, atol = _tolerance(jnp.bfloat16)
     np.testing.assert_allclose(out, ref, rtol=rtol, atol=atol * np.sqrt(np.mean(ref**2)))
 
+
+
+def test_grouped_routing_breaks_ties_as_top_k_does():
+    """Group scores and group selection by comparisons must pick what lax.top_k picks, ties included (equal experts
+    inside a group, equal groups across the top-k boundary)."""
+    rng = np.random.default_rng(5)
+    logits = rng.integers(-3, 4, size=(64, 32)).astype(np.float32)  # few distinct values: ties everywhere
+    bias = np.zeros(32, np.float32)
+    weights, ids = route_grouped_sigmoid(jnp.asarray(logits), jnp.asarray(bias), top_k=4, n_group=8, topk_group=3,
+                                         routed_scaling_factor=1.0, norm_topk_prob=False)
+
+    def with_top_k(logits):  # the same routing with lax.top_k for the group scores and the kept groups
+        scores = jax.nn.sigmoid(logits)
+        grouped = scores.reshape(64, 8, 4)
+        _, kept = jax.lax.top_k(jax.lax.top_k(grouped, 2)[0].sum(-1), 3)
+        kept_mask = jnp.any(kept[:, :, None] == jnp.arange(8), axis=1)
+        choice = jnp.where(jnp.repeat(kept_mask, 4, axis=1), scores, -jnp.inf)
+        return jax.lax.top_k(choice, 4)[1]
+
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(with_top_k(jnp.asarray(logits))))
