@@ -28,6 +28,10 @@ def transpose(weight):  # HF Linear [out, in] -> kernel [in, out]
     return weight.T
 
 
+def concat_transposed(*weights):  # HF Linears [out_i, in] -> one kernel [in, sum out_i], in the order given
+    return np.concatenate([w.T for w in weights], axis=1)
+
+
 def unchanged(weight):
     return weight
 

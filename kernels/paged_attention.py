@@ -21,8 +21,9 @@ L layers, P pages, S page size, W page-table width):
   page_table  i32[B, W]           page ids of each request's positions [0, W*S)
   context_lens, window_lens  i32[B]
 
-`write_kv_pages` scatters the window's K/V into the pool at those positions; rows past
-`window_len` are dropped, so padded slots write nothing. Under jit with the pool donated the
+`write_kv_pages` scatters the window's K/V into the pool at the rows `window_pool_rows` gives
+those positions; rows past `window_len` are dropped, so padded slots write nothing (the model
+writes through `attention_prologue`, which fuses the same write into one kernel). Under jit with the pool donated the
 scatter updates the pool in place (H200: ~18 us per block write inside a jitted loop, against
 5.4 ms to copy an 8 GiB pool).
 
@@ -124,21 +125,23 @@ def paged_attention_reference(q, k, v, k_pages, v_pages, layer, page_table, cont
     return out.reshape(batch, window, num_heads, head_dim).astype(q.dtype)
 
 
-def write_kv_pages(k_pages, v_pages, layer, k, v, page_table, context_lens, window_lens):
-    """Scatter window K/V [B, Q, K, D] into the pool at positions context_len + i (i < window_len)."""
-    batch, window, num_kv_heads, head_dim = k.shape
-    num_pages, page_size = k_pages.shape[2], k_pages.shape[3]
+def window_pool_rows(page_table, context_lens, window_lens, window, page_size):
+    """i32[B * Q]: the pool row (page * S + slot) of each window token's K/V; tokens past window_len get a row past
+    the pool's end (P * S, where P = the pool's page count, unknown here: any row >= P * S is dropped)."""
     pos = context_lens[:, None] + jnp.arange(window)[None, :]  # [B, Q]
     page_idx = jnp.clip(pos // page_size, 0, page_table.shape[1] - 1)
-    page = jnp.take_along_axis(page_table, page_idx, axis=1)
-    page = jnp.where(jnp.arange(window)[None, :] < window_lens[:, None], page, num_pages)  # OOB -> dropped
-    slot = pos % page_size
-    page, slot = page.reshape(-1), slot.reshape(-1)
-    k_rows = k.reshape(batch * window, num_kv_heads, head_dim).astype(k_pages.dtype)
-    v_rows = v.reshape(batch * window, num_kv_heads, head_dim).astype(v_pages.dtype)
-    k_pages = k_pages.at[layer, :, page, slot].set(k_rows, mode="drop")
-    v_pages = v_pages.at[layer, :, page, slot].set(v_rows, mode="drop")
-    return k_pages, v_pages
+    rows = jnp.take_along_axis(page_table, page_idx, axis=1) * page_size + pos % page_size
+    dropped = jnp.iinfo(jnp.int32).max
+    return jnp.where(jnp.arange(window)[None, :] < window_lens[:, None], rows, dropped).reshape(-1)
+
+
+def write_kv_pages(k_pages, v_pages, layer, k, v, pool_rows):
+    """Scatter K/V rows [T, K, D] into layer `layer` of the pool at pool_rows i32[T]; rows past the pool drop."""
+    shape = k_pages.shape
+    pool_shape = (shape[0], shape[1], shape[2] * shape[3], shape[4])  # pages flattened to rows: free
+    k_pages = k_pages.reshape(pool_shape).at[layer, :, pool_rows].set(k.astype(k_pages.dtype), mode="drop")
+    v_pages = v_pages.reshape(pool_shape).at[layer, :, pool_rows].set(v.astype(v_pages.dtype), mode="drop")
+    return k_pages.reshape(shape), v_pages.reshape(shape)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -58,7 +58,7 @@ def test_a_tensor_of_the_wrong_shape_is_named_with_both_shapes(sdar_dir):
     config = json.loads((sdar_dir / "config.json").read_text())
     config["intermediate_size"] = 96
     (sdar_dir / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.gate_proj\.weight \(128, 64\).*\(64, 96\)"):
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.gate_proj\.weight \(128, 64\).*\(64, 192\)"):
         load_model(sdar_dir, model_config(sdar_dir), "float32")
 
 

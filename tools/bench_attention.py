@@ -257,13 +257,14 @@ def page_write_row(num_pages):
     shape = (8, 8, num_pages, 16, 128)
     keys = jax.random.split(jax.random.key(1), 4)
     pools = [jax.random.normal(key, shape, jnp.bfloat16) for key in keys[:2]]
-    k, v = (jax.random.normal(key, (1, 32, 8, 128), jnp.bfloat16) for key in keys[2:])
+    k, v = (jax.random.normal(key, (32, 8, 128), jnp.bfloat16) for key in keys[2:])
     page_table = jnp.asarray([[7, num_pages - 1]], jnp.int32)
     lens = (jnp.asarray([0], jnp.int32), jnp.asarray([32], jnp.int32))
+    pool_rows = pa.window_pool_rows(page_table, *lens, window=32, page_size=shape[3])
     write = jax.jit(pa.write_kv_pages, donate_argnums=(0, 1))
 
     def write_once():
-        pools[:] = write(*pools, jnp.int32(3), k, v, page_table, *lens)
+        pools[:] = write(*pools, jnp.int32(3), k, v, pool_rows)
         return pools
 
     write_us = median_seconds(write_once, min_reps=20) * 1e6
@@ -271,7 +272,7 @@ def page_write_row(num_pages):
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def write_many(k_pages, v_pages):  # 32 writes in one dispatch: the device cost without the host's
         def one(layer, pages):
-            return pa.write_kv_pages(*pages, layer % shape[0], k, v, page_table, *lens)
+            return pa.write_kv_pages(*pages, layer % shape[0], k, v, pool_rows)
         return jax.lax.fori_loop(0, 32, one, (k_pages, v_pages))
 
     def write_many_once():

@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxllm.kernels.paged_attention import paged_attention, write_kv_pages
+from jaxllm.kernels.attention_prologue import attention_prologue, qk_norm_rope, rms_norm, rope_tables
+from jaxllm.kernels.paged_attention import paged_attention, window_pool_rows
 
 
 @jax.tree_util.register_dataclass
@@ -75,87 +76,64 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x):
-        xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...] * xf.astype(x.dtype)
+        return rms_norm(x, self.weight[...], self.eps)
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); gate and up are one [E, 2I] projection (one GEMM), gate first."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, dtype, rngs: nnx.Rngs):
-        self.gate_proj = Linear(hidden_size, intermediate_size, dtype=dtype, rngs=rngs)
-        self.up_proj = Linear(hidden_size, intermediate_size, dtype=dtype, rngs=rngs)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, dtype=dtype, rngs=rngs)
         self.down_proj = Linear(intermediate_size, hidden_size, dtype=dtype, rngs=rngs)
 
     def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-def apply_rope(x, positions, *, theta: float, rotary_dim: int):
-    """NeoX (rotate-half) RoPE over the first rotary_dim dims of each head. x [B, Q, N, D], positions i32[B, Q]."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, Q, rotary_dim/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
-    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
-    rot, passthrough = x[..., :rotary_dim], x[..., rotary_dim:]
-    half = rotary_dim // 2
-    rotated = jnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
-    return jnp.concatenate([rot * cos + rotated * sin, passthrough], axis=-1)
+        gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)
+        return self.down_proj(jax.nn.silu(gate) * up)
 
 
 class Attention(nnx.Module):
     """GQA with per-head QK RMSNorm and (partial) RoPE over the paged KV pool.
 
-    fused_qkv=True stores one [E, (H+2K)*D] projection (LLaDA2 `query_key_value`), else q/k/v projections (Qwen3).
+    One [E, (H+2K)*D] projection makes q, k and v (one GEMM): LLaDA2 stores it so (`query_key_value`); the loader
+    concatenates Qwen3's q/k/v projections into it.
     """
 
-    def __init__(self, cfg, *, fused_qkv: bool, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg, *, dtype, rngs: nnx.Rngs):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.rope_theta, self.rotary_dim = cfg.rope_theta, cfg.rotary_dim
         q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.fused_qkv = fused_qkv
-        if fused_qkv:
-            self.qkv_proj = Linear(cfg.hidden_size, q_width + 2 * kv_width, dtype=dtype, rngs=rngs)
-        else:
-            self.q_proj = Linear(cfg.hidden_size, q_width, dtype=dtype, rngs=rngs)
-            self.k_proj = Linear(cfg.hidden_size, kv_width, dtype=dtype, rngs=rngs)
-            self.v_proj = Linear(cfg.hidden_size, kv_width, dtype=dtype, rngs=rngs)
+        self.qkv_proj = Linear(cfg.hidden_size, q_width + 2 * kv_width, dtype=dtype, rngs=rngs)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype)
         self.o_proj = Linear(q_width, cfg.hidden_size, dtype=dtype, rngs=rngs)
 
-    def _project(self, x):
-        batch, window, _ = x.shape
-        if self.fused_qkv:
-            qkv = self.qkv_proj(x).reshape(batch, window, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-            return jnp.split(qkv, [self.num_heads, self.num_heads + self.num_kv_heads], axis=2)
-        q = self.q_proj(x).reshape(batch, window, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(batch, window, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(batch, window, self.num_kv_heads, self.head_dim)
-        return q, k, v
-
     def __call__(self, x, kv: KVCache | None, layer, md: AttentionMetadata | DenseMetadata):
         batch, window, _ = x.shape
-        q, k, v = self._project(x)
+        qkv = self.qkv_proj(x)
         positions = md.positions if isinstance(md, DenseMetadata) else md.positions(window)
-        q = apply_rope(self.q_norm(q), positions, theta=self.rope_theta, rotary_dim=self.rotary_dim)
-        k = apply_rope(self.k_norm(k), positions, theta=self.rope_theta, rotary_dim=self.rotary_dim)
+        cos, sin = rope_tables(positions, theta=self.rope_theta, rotary_dim=self.rotary_dim)
+        norm_weights = (self.q_norm.weight[...], self.k_norm.weight[...])
+        heads = dict(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, eps=self.q_norm.eps)
         if isinstance(md, DenseMetadata):
+            q, k, v = qk_norm_rope(qkv, *norm_weights, cos, sin, **heads)
             return self.o_proj(dense_attention(q, k, v, md).reshape(batch, window, -1)), kv
-        out = paged_attention(q, k, v, kv.k_pages, kv.v_pages, layer, md.page_table, md.context_lens,
-                              md.window_lens, block_size=md.block_size, impl=md.attention_impl)
-        k_pages, v_pages = write_kv_pages(kv.k_pages, kv.v_pages, layer, k, v, md.page_table, md.context_lens,
-                                          md.window_lens)
+        pool_rows = window_pool_rows(md.page_table, md.context_lens, md.window_lens, window, kv.k_pages.shape[3])
+        q, k, v, k_pages, v_pages = attention_prologue(
+            qkv.reshape(batch * window, -1), *norm_weights, cos.reshape(batch * window, -1),
+            sin.reshape(batch * window, -1), kv.k_pages, kv.v_pages, layer, pool_rows, impl=md.attention_impl, **heads)
+        q, k, v = (t.reshape(batch, window, *t.shape[1:]) for t in (q, k, v))
+        # the window's own K/V come from k, v: the kernel reads only committed positions from the pool
+        out = paged_attention(q, k, v, k_pages, v_pages, layer, md.page_table, md.context_lens, md.window_lens,
+                              block_size=md.block_size, impl=md.attention_impl)
         return self.o_proj(out.reshape(batch, window, -1)), KVCache(k_pages, v_pages)
 
 
 class DecoderLayer(nnx.Module):
     """Pre-norm residual block: x + attn(norm(x)), then h + mlp(norm(h))."""
 
-    def __init__(self, cfg, mlp: nnx.Module, *, fused_qkv: bool, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg, mlp: nnx.Module, *, dtype, rngs: nnx.Rngs):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.attn = Attention(cfg, fused_qkv=fused_qkv, dtype=dtype, rngs=rngs)
+        self.attn = Attention(cfg, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.mlp = mlp
 
@@ -190,13 +168,13 @@ class Embedding(nnx.Module):
 class DecoderLM(nnx.Module):
     """Embedding, decoder layers, final norm and LM head (tied to the embedding, or its own).
 
-    Models differ in their attention projection (fused_qkv) and in the MLP of each layer (make_mlp(layer_index)).
+    Models differ in the MLP of each layer (make_mlp(layer_index)).
     """
 
-    def __init__(self, cfg, make_mlp, *, fused_qkv: bool, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg, make_mlp, *, dtype, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, make_mlp(i), fused_qkv=fused_qkv, dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, make_mlp(i), dtype=dtype, rngs=rngs)
                                 for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         if not cfg.tie_word_embeddings:

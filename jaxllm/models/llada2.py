@@ -8,12 +8,11 @@ in-place logits.
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jaxllm.config import ConfigError, ModelConfig, MoEConfig, hf_field, transformer_config
 from jaxllm.kernels.moe import moe_experts, route_grouped_sigmoid
-from jaxllm.loader import Tensor, transpose, unchanged
+from jaxllm.loader import Tensor, concat_transposed, transpose, unchanged
 from jaxllm.models.layers import MLP, DecoderLM, Linear, normal_init
 from jaxllm.quantization import quantize
 
@@ -74,7 +73,7 @@ class LLaDA2(DecoderLM):
                 return MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
             return SparseMoE(cfg, dtype=dtype, rngs=rngs)
 
-        super().__init__(cfg, make_mlp, fused_qkv=True, dtype=dtype, rngs=rngs)
+        super().__init__(cfg, make_mlp, dtype=dtype, rngs=rngs)
 
 
 def quantize_weights(model: LLaDA2, mode: str) -> LLaDA2:
@@ -87,10 +86,6 @@ def quantize_weights(model: LLaDA2, mode: str) -> LLaDA2:
     return model
 
 
-def _gate_up(gate, up):  # HF [I, E] each -> [E, 2I], gate first
-    return np.concatenate([gate.T, up.T], axis=1)
-
-
 def hf_weight_map(cfg: ModelConfig) -> dict[str, Tensor]:
     """Model parameter path -> the checkpoint tensors it is made of."""
     attention = {
@@ -101,21 +96,25 @@ def hf_weight_map(cfg: ModelConfig) -> dict[str, Tensor]:
         "attn/q_norm/weight": (("attention.query_layernorm.weight",), unchanged),
         "attn/k_norm/weight": (("attention.key_layernorm.weight",), unchanged),
     }
-    dense_mlp = {f"mlp/{name}/kernel": ((f"mlp.{name}.weight",), transpose)
-                 for name in ("gate_proj", "up_proj", "down_proj")}
+
+    def swiglu(module):  # an MLP's parameters; its checkpoint keys spell the module path with dots
+        key = module.replace("/", ".")
+        return {f"{module}/gate_up_proj/kernel": ((f"{key}.gate_proj.weight", f"{key}.up_proj.weight"),
+                                                 concat_transposed),
+                f"{module}/down_proj/kernel": ((f"{key}.down_proj.weight",), transpose)}
+
     moe_mlp = {
         "mlp/gate/kernel": (("mlp.gate.weight",), transpose),
         "mlp/expert_bias": (("mlp.gate.expert_bias",), unchanged),
         "mlp/experts_gate_up": (("mlp.experts.{expert}.gate_proj.weight", "mlp.experts.{expert}.up_proj.weight"),
-                                _gate_up),
+                                concat_transposed),
         "mlp/experts_down": (("mlp.experts.{expert}.down_proj.weight",), transpose),
     }
     if cfg.moe.num_shared_experts:
-        moe_mlp |= {f"mlp/shared_experts/{name}/kernel": ((f"mlp.shared_experts.{name}.weight",), transpose)
-                    for name in ("gate_proj", "up_proj", "down_proj")}
+        moe_mlp |= swiglu("mlp/shared_experts")
     weights = {}
     for i in range(cfg.num_layers):
-        mlp = dense_mlp if i < cfg.moe.first_k_dense_replace else moe_mlp
+        mlp = swiglu("mlp") if i < cfg.moe.first_k_dense_replace else moe_mlp
         for path, (keys, convert) in (attention | mlp).items():
             experts = cfg.moe.num_experts if "{expert}" in keys[0] else None
             weights[f"layers/{i}/{path}"] = Tensor(tuple(f"model.layers.{i}.{k}" for k in keys), convert, experts)

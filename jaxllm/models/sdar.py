@@ -7,7 +7,7 @@ block-causal (a token sees its own block and every earlier one) and logits predi
 from flax import nnx
 
 from jaxllm.config import ModelConfig, transformer_config
-from jaxllm.loader import Tensor, transpose, unchanged
+from jaxllm.loader import Tensor, concat_transposed, transpose, unchanged
 from jaxllm.models.layers import MLP, DecoderLM
 
 MODEL_TYPE = "sdar"
@@ -20,26 +20,23 @@ def config_from_hf(hf: dict) -> ModelConfig:
 class SDAR(DecoderLM):
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
         super().__init__(cfg, lambda _: MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs),
-                         fused_qkv=False, dtype=dtype, rngs=rngs)
+                         dtype=dtype, rngs=rngs)
 
 
 def hf_weight_map(cfg: ModelConfig) -> dict[str, Tensor]:
     """Model parameter path -> the checkpoint tensors it is made of."""
     per_layer = {
-        "input_layernorm/weight": ("input_layernorm.weight", unchanged),
-        "post_attention_layernorm/weight": ("post_attention_layernorm.weight", unchanged),
-        "attn/q_proj/kernel": ("self_attn.q_proj.weight", transpose),
-        "attn/k_proj/kernel": ("self_attn.k_proj.weight", transpose),
-        "attn/v_proj/kernel": ("self_attn.v_proj.weight", transpose),
-        "attn/o_proj/kernel": ("self_attn.o_proj.weight", transpose),
-        "attn/q_norm/weight": ("self_attn.q_norm.weight", unchanged),
-        "attn/k_norm/weight": ("self_attn.k_norm.weight", unchanged),
-        "mlp/gate_proj/kernel": ("mlp.gate_proj.weight", transpose),
-        "mlp/up_proj/kernel": ("mlp.up_proj.weight", transpose),
-        "mlp/down_proj/kernel": ("mlp.down_proj.weight", transpose),
+        "input_layernorm/weight": (("input_layernorm.weight",), unchanged),
+        "post_attention_layernorm/weight": (("post_attention_layernorm.weight",), unchanged),
+        "attn/qkv_proj/kernel": (tuple(f"self_attn.{p}_proj.weight" for p in "qkv"), concat_transposed),
+        "attn/o_proj/kernel": (("self_attn.o_proj.weight",), transpose),
+        "attn/q_norm/weight": (("self_attn.q_norm.weight",), unchanged),
+        "attn/k_norm/weight": (("self_attn.k_norm.weight",), unchanged),
+        "mlp/gate_up_proj/kernel": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), concat_transposed),
+        "mlp/down_proj/kernel": (("mlp.down_proj.weight",), transpose),
     }
-    weights = {f"layers/{i}/{path}": Tensor((f"model.layers.{i}.{key}",), convert)
-               for i in range(cfg.num_layers) for path, (key, convert) in per_layer.items()}
+    weights = {f"layers/{i}/{path}": Tensor(tuple(f"model.layers.{i}.{key}" for key in keys), convert)
+               for i in range(cfg.num_layers) for path, (keys, convert) in per_layer.items()}
     weights["embed/embedding"] = Tensor(("model.embed_tokens.weight",), unchanged)
     weights["norm/weight"] = Tensor(("model.norm.weight",), unchanged)
     if not cfg.tie_word_embeddings:

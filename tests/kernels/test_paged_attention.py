@@ -209,14 +209,15 @@ def test_write_kv_pages_updates_a_donated_pool_in_place():
     shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
     keys = jax.random.split(jax.random.key(0), 4)
     pools = tuple(jax.random.normal(key, shape, jnp.bfloat16) for key in keys[:2])
-    k, v = (jax.random.normal(key, (1, 32, num_kv_heads, head_dim), jnp.bfloat16) for key in keys[2:])
+    k, v = (jax.random.normal(key, (32, num_kv_heads, head_dim), jnp.bfloat16) for key in keys[2:])
     page_table = jnp.asarray([[7, 4242]], jnp.int32)
     context_lens, window_lens = jnp.asarray([0], jnp.int32), jnp.asarray([32], jnp.int32)
+    pool_rows = pa.window_pool_rows(page_table, context_lens, window_lens, window=32, page_size=page_size)
     write = jax.jit(pa.write_kv_pages, donate_argnums=(0, 1))
 
     def write_once():
         nonlocal pools
-        pools = write(*pools, jnp.int32(3), k, v, page_table, context_lens, window_lens)
+        pools = write(*pools, jnp.int32(3), k, v, pool_rows)
         return pools
 
     write_once()  # compile
@@ -226,8 +227,8 @@ def test_write_kv_pages_updates_a_donated_pool_in_place():
     assert write_seconds < 0.25 * copy_seconds, (write_seconds, copy_seconds)  # a pool copy would be >= 1x
     # positions 0..31: slots 0..15 of page 7, then slots 0..15 of page 4242
     k_pages = pools[0]
-    np.testing.assert_array_equal(np.asarray(k_pages[3, :, 7, :].transpose(1, 0, 2)), np.asarray(k[0, :16]))
-    np.testing.assert_array_equal(np.asarray(k_pages[3, :, 4242, :].transpose(1, 0, 2)), np.asarray(k[0, 16:]))
+    np.testing.assert_array_equal(np.asarray(k_pages[3, :, 7, :].transpose(1, 0, 2)), np.asarray(k[:16]))
+    np.testing.assert_array_equal(np.asarray(k_pages[3, :, 4242, :].transpose(1, 0, 2)), np.asarray(k[16:]))
 
 
 def test_small_batch_short_context_is_split_across_programs():
