@@ -33,8 +33,8 @@ from tools.device_profile import device_kernel_times, hlo_dump_flags, print_kern
 
 PROFILE_SCOPES = ("paged_attention", "moe_experts", "lm_head", "sampler")
 COLUMNS = ["model", "batch", "block_size", "steps_per_round", "rounds", "seconds", "output_tokens_per_s",
-           "forwards_per_s", "tokens_per_forward", "ms_per_forward", "experts_touched", "floor_ms", "floor_bound",
-           "gb_per_forward", "floor_ratio"]
+           "forwards_per_s", "tokens_per_forward", "ms_per_forward", "ms_spread", "experts_touched", "floor_ms",
+           "floor_bound", "gb_per_forward", "floor_ratio"]
 
 COPY_BANDWIDTH = 4.1e12  # B/s, H200 device-to-device copy (read + write), measured
 MATMUL_RATE = 790e12  # FLOP/s, H200 bf16 matmul, measured
@@ -104,6 +104,14 @@ def run(llm: LLM, prompts: list[list[int]], output_len: int, steps_per_round: in
                 outputs=[o.token_ids for o in outputs])
 
 
+def median_run(results: list[dict]) -> dict:
+    """The run with the median time per forward (one run of 33 forwards at batch 1 lasts ~0.1 s on the H200, and
+    single runs of the same code differed by up to 6%), with the spread of all of them."""
+    times = [r["ms_per_forward"] for r in results]
+    middle = sorted(results, key=lambda r: r["ms_per_forward"])[(len(results) - 1) // 2]
+    return middle | dict(ms_spread=round(max(times) - min(times), 3), ms_per_forward_runs=times)
+
+
 def measured_touched_experts(llm: LLM, prompts: list[list[int]], outputs: list[list[int]], seed: int,
                              num_states: int = 8) -> float | None:
     """Distinct experts per MoE layer that one denoising forward of this batch routes to, averaged over layers and
@@ -166,6 +174,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--quantization", choices=["int8", "fp8"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed runs per configuration; the row is the median run, ms_spread their max - min")
     parser.add_argument("--steps-per-round", type=int, nargs="*", default=[],
                         help="also time these step caps (denoising steps per device call) at each batch size")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
@@ -184,7 +194,8 @@ def main() -> None:
     for batch in args.batch:
         prompts = random_prompts(llm, args.num_prompts or batch, args.input_len, args.seed)
         run(llm, prompts, args.output_len)  # the same greedy run first: it compiles every shape the timed run meets
-        runs = [run(llm, prompts, args.output_len, cap) for cap in [default_cap, *args.steps_per_round]]
+        runs = [median_run([run(llm, prompts, args.output_len, cap) for _ in range(args.repeats)])
+                for cap in [default_cap, *args.steps_per_round]]
         llm.engine.runner.max_steps_per_round = default_cap
         if args.profile:  # before the expert count: the H200 ran the next round 8% slower after that other jit
             forwards_before = llm.engine.num_forwards

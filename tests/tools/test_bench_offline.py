@@ -3,7 +3,7 @@
 import pytest
 
 from jaxllm import LLM, SamplingParams
-from tools.bench_offline import forward_floor, measured_touched_experts
+from tools.bench_offline import forward_floor, measured_touched_experts, median_run
 
 BLOCK = 4
 
@@ -51,3 +51,11 @@ def test_quantized_experts_halve_only_the_expert_bytes_of_the_floor(llada2):
     num_moe_layers = cfg.num_layers - moe.first_k_dense_replace
     bf16, int8 = (forward_floor(cfg, 1, BLOCK, 16, experts_touched=5, expert_weight_bytes=b)["bytes"] for b in (2, 1))
     assert bf16 - int8 == pytest.approx(5 * num_moe_layers * expert_params)  # attention, router, LM head stay bf16
+
+
+def test_median_run_is_the_middle_run_with_the_spread():
+    results = [dict(ms_per_forward=t, outputs=[[i]]) for i, t in enumerate([3.4, 3.1, 3.2])]
+    middle = median_run(results)
+    assert middle["ms_per_forward"] == 3.2 and middle["outputs"] == [[2]]
+    assert middle["ms_spread"] == 0.3 and middle["ms_per_forward_runs"] == [3.4, 3.1, 3.2]
+    assert median_run(results[:2])["ms_per_forward"] == 3.1  # an even count takes the lower middle
