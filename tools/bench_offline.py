@@ -180,11 +180,14 @@ def main() -> None:
                         help="also time these step caps (denoising steps per device call) at each batch size")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="profile one more run per batch size and print the N slowest kernels (GPU)")
+    parser.add_argument("--hlo-dump-dir", help="with --profile: keep XLA's optimized HLO here (default: a temporary "
+                        "directory), e.g. to see which kernels XLA put into command buffers")
     parser.add_argument("--json", help="append one JSON line per run to this file")
     args = parser.parse_args()
-    hlo_dump = tempfile.TemporaryDirectory(prefix="bench_offline_hlo_") if args.profile else None
+    temporary_dump = tempfile.TemporaryDirectory(prefix="bench_offline_hlo_") if args.profile else None
+    hlo_dump = args.hlo_dump_dir or (temporary_dump and temporary_dump.name)
     if hlo_dump:  # the optimized HLO names each profiled kernel's source; set before JAX starts its backend
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {hlo_dump_flags(hlo_dump.name)}"
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {hlo_dump_flags(hlo_dump)}"
 
     model_dir = model_dir_for(args)
     llm = make_llm(args, model_dir, max(args.batch))  # one engine: weights made once, a compile per batch size
@@ -200,7 +203,7 @@ def main() -> None:
         if args.profile:  # before the expert count: the H200 ran the next round 8% slower after that other jit
             forwards_before = llm.engine.num_forwards
             profile = device_kernel_times(functools.partial(run, llm, prompts, args.output_len), PROFILE_SCOPES,
-                                          hlo_dump and hlo_dump.name)
+                                          hlo_dump)
             print(f"profile: {cfg.model_type} batch {batch}")
             print_kernel_table(*profile, top=args.profile, per=llm.engine.num_forwards - forwards_before,
                                unit="forward (the run's prefill included)")

@@ -33,10 +33,23 @@ class KernelTime:
     source: str = ""  # where in the Python source, from the HLO dump ("" if not known)
 
 
+@dataclasses.dataclass
+class DeviceIdle:
+    """How long the device waited between its first and last kernel: time when no stream ran a kernel."""
+
+    span_us: float
+    idle_us: float
+    num_long_gaps: int  # gaps of at least LONG_GAP_US: the device waiting on the host
+    long_gap_us: float
+
+
+LONG_GAP_US = 10.0  # kernels inside a command buffer follow each other within a few microseconds
+
+
 def device_kernel_times(fn, scopes: tuple[str, ...] = (), hlo_dump_dir: str | None = None
-                        ) -> tuple[list[KernelTime], dict[str, float], float]:
-    """kernel_times(profile of fn(), scopes); fn must block until its device work is done. With the directory XLA
-    dumped the executables' HLO to, each kernel's `source` is filled in."""
+                        ) -> tuple[list[KernelTime], dict[str, float], float, DeviceIdle]:
+    """kernel_times(profile of fn(), scopes) and device_idle; fn must block until its device work is done. With the
+    directory XLA dumped the executables' HLO to, each kernel's `source` is filled in."""
     with tempfile.TemporaryDirectory() as trace_dir:
         jax.profiler.start_trace(trace_dir)
         try:
@@ -44,12 +57,14 @@ def device_kernel_times(fn, scopes: tuple[str, ...] = (), hlo_dump_dir: str | No
         finally:
             jax.profiler.stop_trace()
         paths = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
-        kernels, by_scope, busy_us = kernel_times(ProfileData.from_file(paths[0]), scopes)
+        data = ProfileData.from_file(paths[0])
+        kernels, by_scope, busy_us = kernel_times(data, scopes)
+        idle = device_idle(data)
     if hlo_dump_dir:
         sources = hlo_sources(read_hlo_dumps(hlo_dump_dir))
         for kernel in kernels:
             kernel.source = source_of(kernel, sources)
-    return kernels, by_scope, busy_us
+    return kernels, by_scope, busy_us, idle
 
 
 def hlo_dump_flags(dump_dir: str) -> str:
@@ -121,17 +136,40 @@ def source_of(kernel: KernelTime, sources: dict[tuple[int, str], str]) -> str:
     return sources.get((kernel.program_id, _profiler_spelling(kernel.name)), "")
 
 
+def _stream_lines(data: ProfileData) -> list:
+    """The device lines that hold kernels, one per CUDA stream (other device lines regroup them by op)."""
+    device_lines = [line for plane in data.planes if plane.name.startswith("/device:") for line in plane.lines]
+    stream_lines = [line for line in device_lines if line.name.startswith("Stream")]
+    if device_lines and not stream_lines:
+        print("device_profile: no 'Stream' lines; device lines are", sorted({line.name for line in device_lines}))
+    return stream_lines
+
+
+def device_idle(data: ProfileData) -> DeviceIdle:
+    """Idle time between the profile's first and last kernel, over all streams (a time any stream runs counts as
+    busy), and the part of it spent in gaps of at least LONG_GAP_US."""
+    intervals = sorted((event.start_ns, event.end_ns) for line in _stream_lines(data) for event in line.events)
+    if not intervals:
+        return DeviceIdle(0.0, 0.0, 0, 0.0)
+    idle_ns, long_gaps, long_gap_ns = 0, 0, 0
+    covered_until = intervals[0][1]
+    for start, end in intervals[1:]:
+        if start > covered_until:
+            gap = start - covered_until
+            idle_ns += gap
+            if gap >= LONG_GAP_US * 1e3:
+                long_gaps, long_gap_ns = long_gaps + 1, long_gap_ns + gap
+        covered_until = max(covered_until, end)
+    return DeviceIdle((covered_until - intervals[0][0]) / 1e3, idle_ns / 1e3, long_gaps, long_gap_ns / 1e3)
+
+
 def kernel_times(data: ProfileData, scopes: tuple[str, ...] = ()) -> tuple[list[KernelTime], dict[str, float], float]:
     """(kernels sorted by total time, us per scope, device busy us) of a profile's device planes.
 
     A kernel counts towards the first of `scopes` (JAX named_call / named_scope names) found in its name or its op's
     name stack, else towards "other"."""
     totals, counts, by_scope = collections.defaultdict(float), collections.Counter(), collections.Counter()
-    device_lines = [line for plane in data.planes if plane.name.startswith("/device:") for line in plane.lines]
-    stream_lines = [line for line in device_lines if line.name.startswith("Stream")]
-    if device_lines and not stream_lines:
-        print("device_profile: no 'Stream' lines; device lines are", sorted({line.name for line in device_lines}))
-    for line in stream_lines:  # one line per CUDA stream holds its kernels; other lines regroup them by op
+    for line in _stream_lines(data):
         for event in line.events:
             stats = dict(event.stats)
             # told apart by executable too: the prefill's and the decode step's "fusion_12" are different code
@@ -146,10 +184,15 @@ def kernel_times(data: ProfileData, scopes: tuple[str, ...] = ()) -> tuple[list[
     return kernels, dict(by_scope), sum(k.total_us for k in kernels)
 
 
-def print_kernel_table(kernels: list[KernelTime], by_scope: dict[str, float], busy_us: float, top: int, per: int = 1,
-                       unit: str = "call") -> None:
-    """Scope totals and the top kernels with their share of device busy time, per `per` units (e.g. per forward);
-    with sources known, the totals per source function (a kernel without a source counts under its own name)."""
+def print_kernel_table(kernels: list[KernelTime], by_scope: dict[str, float], busy_us: float, idle: DeviceIdle | None,
+                       top: int, per: int = 1, unit: str = "call") -> None:
+    """Device idle time, scope totals and the top kernels with their share of device busy time, per `per` units
+    (e.g. per forward); with sources known, the totals per source function (a kernel without a source counts under
+    its own name)."""
+    if idle is not None:
+        print(f"device idle {idle.idle_us / per:.1f} us per {unit} of {idle.span_us / per:.1f} us from first to last "
+              f"kernel; {idle.long_gap_us / per:.1f} us of it in {idle.num_long_gaps / per:.1f} gaps of "
+              f">= {LONG_GAP_US:.0f} us per {unit} (the device waiting on the host)")
     print(f"device busy {busy_us / per:.1f} us per {unit}; by scope: " + ", ".join(
         f"{scope} {us / per:.1f} us ({100 * us / busy_us:.0f}%)" for scope, us in sorted(by_scope.items(),
                                                                                           key=lambda kv: -kv[1])))

@@ -4,7 +4,16 @@ import jax
 import jax.numpy as jnp
 from jax.profiler import ProfileData
 
-from tools.device_profile import REPOSITORY, KernelTime, hlo_sources, kernel_times, print_kernel_table, source_of
+from tools.device_profile import (
+    REPOSITORY,
+    DeviceIdle,
+    KernelTime,
+    device_idle,
+    hlo_sources,
+    kernel_times,
+    print_kernel_table,
+    source_of,
+)
 
 ATTENTION_OP = 'stats { metadata_id: 1 str_value: "jit(step)/layer/paged_attention/pallas_call" }'
 XSPACE = f"""
@@ -35,6 +44,25 @@ def test_kernels_are_totalled_from_stream_lines_only_and_grouped_by_scope():
                                                                  ("gemm_fusion", 1.0, 1)]
     assert busy_us == 6.0  # the "XLA Ops" line repeats kernels and the host plane is not device time
     assert by_scope == {"paged_attention": 5.0, "other": 1.0}
+
+
+SECOND_STREAM = """  lines {
+    id: 3 name: "Stream #9(Compute)"
+    events { metadata_id: 2 offset_ps: 2000000 duration_ps: 2500000 }
+    events { metadata_id: 2 offset_ps: 28500000 duration_ps: 2000000 }
+  }
+"""
+
+
+def test_device_idle_counts_time_no_stream_runs_and_the_long_gaps():
+    # stream 7: [0, 3) [4, 5) [6, 8) us; stream 9: [2, 4.5) and, after a 20.5 us wait, [28.5, 30.5)
+    ops_line = '  lines { id: 2 name: "XLA Ops"'
+    xspace = XSPACE.replace(ops_line, SECOND_STREAM + ops_line)
+    assert xspace != XSPACE
+    idle = device_idle(ProfileData.from_text_proto(xspace))
+    # busy: [0, 5) [6, 8) [28.5, 30.5); idle: 1 us + 20.5 us, of which one gap >= 10 us
+    assert idle == DeviceIdle(span_us=30.5, idle_us=21.5, num_long_gaps=1, long_gap_us=20.5)
+    assert device_idle(ProfileData.from_text_proto(XSPACE)) == DeviceIdle(8.0, 2.0, 0, 0.0)
 
 
 def _sine_of(x):
@@ -114,7 +142,7 @@ planes {{
                (12, "fusion_3"): "layers.py:RMSNorm.__call__ < layers.py:Attention.__call__"}
     for kernel in kernels:
         kernel.source = source_of(kernel, sources)
-    print_kernel_table(kernels, {}, busy_us, top=3)
+    print_kernel_table(kernels, {}, busy_us, None, top=3)
     summary = capsys.readouterr().out.split("by source function")[1].splitlines()[1:]
     assert [line.split()[0] for line in summary] == ["4.0", "2.0"]  # the two RMSNorm kernels, then the Pallas one
     assert summary[0].endswith("layers.py:RMSNorm.__call__") and summary[1].endswith("moe_gate_up")
