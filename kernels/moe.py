@@ -48,6 +48,9 @@ def route_grouped_sigmoid(router_logits, expert_bias, *, top_k, n_group, topk_gr
                           norm_topk_prob):
     """f32[T, E] logits -> (f32[T, top_k] weights, i32[T, top_k] expert ids)."""
     num_tokens, num_experts = router_logits.shape
+    if num_experts % n_group or num_experts // n_group < 2:
+        raise ValueError(f"{num_experts} experts must split into {n_group} groups of at least two (a group scores "
+                         f"its top two)")
     scores = jax.nn.sigmoid(router_logits.astype(jnp.float32))
     choice = scores + expert_bias.astype(jnp.float32)[None, :]
     grouped = choice.reshape(num_tokens, n_group, num_experts // n_group)

@@ -126,8 +126,8 @@ def paged_attention_reference(q, k, v, k_pages, v_pages, layer, page_table, cont
 
 
 def window_pool_rows(page_table, context_lens, window_lens, window, page_size):
-    """i32[B * Q]: the pool row (page * S + slot) of each window token's K/V; tokens past window_len get a row past
-    the pool's end (P * S, where P = the pool's page count, unknown here: any row >= P * S is dropped)."""
+    """i32[B * Q]: the pool row (page * S + slot) of each window token's K/V; tokens past window_len get the largest
+    int32, a row past the end of any pool, which writes nothing."""
     pos = context_lens[:, None] + jnp.arange(window)[None, :]  # [B, Q]
     page_idx = jnp.clip(pos // page_size, 0, page_table.shape[1] - 1)
     rows = jnp.take_along_axis(page_table, page_idx, axis=1) * page_size + pos % page_size
@@ -136,9 +136,11 @@ def window_pool_rows(page_table, context_lens, window_lens, window, page_size):
 
 
 def write_kv_pages(k_pages, v_pages, layer, k, v, pool_rows):
-    """Scatter K/V rows [T, K, D] into layer `layer` of the pool at pool_rows i32[T]; rows past the pool drop."""
+    """Scatter K/V rows [T, K, D] into layer `layer` of the pool at pool_rows i32[T]; rows outside the pool write
+    nothing."""
     shape = k_pages.shape
     pool_shape = (shape[0], shape[1], shape[2] * shape[3], shape[4])  # pages flattened to rows: free
+    pool_rows = jnp.where(pool_rows < 0, pool_shape[2], pool_rows)  # indexing would wrap a negative row around
     k_pages = k_pages.reshape(pool_shape).at[layer, :, pool_rows].set(k.astype(k_pages.dtype), mode="drop")
     v_pages = v_pages.reshape(pool_shape).at[layer, :, pool_rows].set(v.astype(v_pages.dtype), mode="drop")
     return k_pages.reshape(shape), v_pages.reshape(shape)

@@ -184,8 +184,10 @@ def main() -> None:
                         "directory), e.g. to see which kernels XLA put into command buffers")
     parser.add_argument("--json", help="append one JSON line per run to this file")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     temporary_dump = tempfile.TemporaryDirectory(prefix="bench_offline_hlo_") if args.profile else None
-    hlo_dump = args.hlo_dump_dir or (temporary_dump and temporary_dump.name)
+    hlo_dump = (args.hlo_dump_dir or temporary_dump.name) if args.profile else None
     if hlo_dump:  # the optimized HLO names each profiled kernel's source; set before JAX starts its backend
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {hlo_dump_flags(hlo_dump)}"
 

@@ -35,7 +35,7 @@ class KernelTime:
 
 @dataclasses.dataclass
 class DeviceIdle:
-    """How long the device waited between its first and last kernel: time when no stream ran a kernel."""
+    """How long the device waited between its first and last kernel: time when no stream ran a kernel or a copy."""
 
     span_us: float
     idle_us: float

@@ -100,7 +100,7 @@ class Attention(nnx.Module):
 
     def __init__(self, cfg, *, dtype, rngs: nnx.Rngs):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.rope_theta, self.rotary_dim = cfg.rope_theta, cfg.rotary_dim
+        self.rope_theta, self.rotary_dim, self.rms_norm_eps = cfg.rope_theta, cfg.rotary_dim, cfg.rms_norm_eps
         q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, q_width + 2 * kv_width, dtype=dtype, rngs=rngs)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype)
@@ -113,14 +113,16 @@ class Attention(nnx.Module):
         positions = md.positions if isinstance(md, DenseMetadata) else md.positions(window)
         cos, sin = rope_tables(positions, theta=self.rope_theta, rotary_dim=self.rotary_dim)
         norm_weights = (self.q_norm.weight[...], self.k_norm.weight[...])
-        heads = dict(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, eps=self.q_norm.eps)
+        heads = dict(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, eps=self.rms_norm_eps)
         if isinstance(md, DenseMetadata):
             q, k, v = qk_norm_rope(qkv, *norm_weights, cos, sin, **heads)
             return self.o_proj(dense_attention(q, k, v, md).reshape(batch, window, -1)), kv
         pool_rows = window_pool_rows(md.page_table, md.context_lens, md.window_lens, window, kv.k_pages.shape[3])
         q, k, v, k_pages, v_pages = attention_prologue(
             qkv.reshape(batch * window, -1), *norm_weights, cos.reshape(batch * window, -1),
-            sin.reshape(batch * window, -1), kv.k_pages, kv.v_pages, layer, pool_rows, impl=md.attention_impl, **heads)
+            sin.reshape(batch * window, -1), kv.k_pages, kv.v_pages, layer, pool_rows,
+            # "pallas" asks for the attention kernel; the prologue takes its kernel where the head shape allows
+            impl="reference" if md.attention_impl == "reference" else "auto", **heads)
         q, k, v = (t.reshape(batch, window, *t.shape[1:]) for t in (q, k, v))
         # the window's own K/V come from k, v: the kernel reads only committed positions from the pool
         out = paged_attention(q, k, v, k_pages, v_pages, layer, md.page_table, md.context_lens, md.window_lens,

@@ -351,7 +351,6 @@ def test_full_size_layer_on_gpu(mode, num_tokens):
     np.testing.assert_allclose(out, ref, rtol=rtol, atol=atol * np.sqrt(np.mean(ref**2)))
 
 
-
 def test_grouped_routing_breaks_ties_as_top_k_does():
     """Group scores and group selection by comparisons must pick what lax.top_k picks, ties included (equal experts
     inside a group, equal groups across the top-k boundary)."""
@@ -370,3 +369,9 @@ def test_grouped_routing_breaks_ties_as_top_k_does():
         return jax.lax.top_k(choice, 4)[1]
 
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(with_top_k(jnp.asarray(logits))))
+
+
+def test_grouped_routing_rejects_groups_of_one_expert():
+    with pytest.raises(ValueError, match="groups of at least two"):
+        route_grouped_sigmoid(jnp.zeros((4, 8)), jnp.zeros(8), top_k=2, n_group=8, topk_group=2,
+                              routed_scaling_factor=1.0, norm_topk_prob=True)
