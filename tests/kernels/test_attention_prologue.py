@@ -147,3 +147,27 @@ def test_prologue_updates_a_donated_pool_in_place():
     assert seconds < 0.25 * copy_seconds, (seconds, copy_seconds)
     np.testing.assert_array_equal(np.asarray(pools[1][3, :, 7]).transpose(1, 0, 2),
                                   np.asarray(qkv[:16]).reshape(16, 48, 128)[:, 40:])
+
+
+def test_engine_tokens_are_the_same_with_the_kernel_inside_the_model(checkpoints, monkeypatch):
+    """The kernel in its place in the model (interpret mode here), through prefill and decode rounds: the same greedy
+    tokens as the XLA path. Partial RoPE (LLaDA2), a batch of two, a prompt that ends inside a page."""
+    from jaxllm import LLM, SamplingParams
+    from jaxllm.models import layers
+
+    prompts = [list(range(5, 18)), list(range(40, 47))]
+
+    def generate():
+        llm = LLM(checkpoints("llada2", lm_head_scale=60), decoding_strategy="fixed_steps", denoising_steps=4,
+                  dtype="float32", block_size=4, max_num_seqs=2, max_model_len=64)
+        return [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))]
+
+    want = generate()
+    calls = []
+
+    def kernel_prologue(*args, impl, **kwargs):
+        calls.append(impl)
+        return ap.attention_prologue(*args, impl="pallas", interpret=True, **kwargs)
+
+    monkeypatch.setattr(layers, "attention_prologue", kernel_prologue)
+    assert generate() == want and calls  # the patched path was traced
