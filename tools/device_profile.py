@@ -41,6 +41,9 @@ class DeviceIdle:
     idle_us: float
     num_long_gaps: int  # gaps of at least LONG_GAP_US: the device waiting on the host
     long_gap_us: float
+    # CUDA calls that launch work (kernels, graphs), by name, where the trace records the host's driver calls: how
+    # many launches the host makes, e.g. whether XLA's command buffers (CUDA graphs) hold the kernels
+    host_launches: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 LONG_GAP_US = 10.0  # kernels inside a command buffer follow each other within a few microseconds
@@ -59,7 +62,7 @@ def device_kernel_times(fn, scopes: tuple[str, ...] = (), hlo_dump_dir: str | No
         paths = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
         data = ProfileData.from_file(paths[0])
         kernels, by_scope, busy_us = kernel_times(data, scopes)
-        idle = device_idle(data)
+        idle = dataclasses.replace(device_idle(data), host_launches=host_launch_calls(data))
     if hlo_dump_dir:
         sources = hlo_sources(read_hlo_dumps(hlo_dump_dir))
         for kernel in kernels:
@@ -163,6 +166,16 @@ def device_idle(data: ProfileData) -> DeviceIdle:
     return DeviceIdle((covered_until - intervals[0][0]) / 1e3, idle_ns / 1e3, long_gaps, long_gap_ns / 1e3)
 
 
+_LAUNCH_CALL = re.compile(r"^cu(da)?(Graph)?Launch")  # cuLaunchKernel(Ex), cuGraphLaunch, cudaLaunchKernel, ...
+
+
+def host_launch_calls(data: ProfileData) -> dict[str, int]:
+    """How many CUDA launch calls (kernels, graphs) the host planes of the trace record, by call name."""
+    calls = collections.Counter(event.name for plane in data.planes if not plane.name.startswith("/device:")
+                                for line in plane.lines for event in line.events if _LAUNCH_CALL.match(event.name))
+    return dict(calls)
+
+
 def kernel_times(data: ProfileData, scopes: tuple[str, ...] = ()) -> tuple[list[KernelTime], dict[str, float], float]:
     """(kernels sorted by total time, us per scope, device busy us) of a profile's device planes.
 
@@ -193,6 +206,9 @@ def print_kernel_table(kernels: list[KernelTime], by_scope: dict[str, float], bu
         print(f"device idle {idle.idle_us / per:.1f} us per {unit} of {idle.span_us / per:.1f} us from first to last "
               f"kernel; {idle.long_gap_us / per:.1f} us of it in {idle.num_long_gaps / per:.1f} gaps of "
               f">= {LONG_GAP_US:.0f} us per {unit} (the device waiting on the host)")
+        if idle.host_launches:
+            by_count = sorted(idle.host_launches.items(), key=lambda kv: -kv[1])
+            print(f"host launch calls per {unit}: " + ", ".join(f"{name} {n / per:.1f}" for name, n in by_count))
     print(f"device busy {busy_us / per:.1f} us per {unit}; by scope: " + ", ".join(
         f"{scope} {us / per:.1f} us ({100 * us / busy_us:.0f}%)" for scope, us in sorted(by_scope.items(),
                                                                                           key=lambda kv: -kv[1])))

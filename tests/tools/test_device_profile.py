@@ -10,6 +10,7 @@ from tools.device_profile import (
     KernelTime,
     device_idle,
     hlo_sources,
+    host_launch_calls,
     kernel_times,
     print_kernel_table,
     source_of,
@@ -63,6 +64,27 @@ def test_device_idle_counts_time_no_stream_runs_and_the_long_gaps():
     # busy: [0, 5) [6, 8) [28.5, 30.5); idle: 1 us + 20.5 us, of which one gap >= 10 us
     assert idle == DeviceIdle(span_us=30.5, idle_us=21.5, num_long_gaps=1, long_gap_us=20.5)
     assert device_idle(ProfileData.from_text_proto(XSPACE)) == DeviceIdle(8.0, 2.0, 0, 0.0)
+
+
+def test_host_launch_calls_are_counted_by_name_from_host_planes_only():
+    cupti = """
+planes {
+  id: 3 name: "/host:CUPTI"
+  lines {
+    id: 1 name: "Driver API"
+    events { metadata_id: 1 duration_ps: 1000 }
+    events { metadata_id: 1 offset_ps: 2000 duration_ps: 1000 }
+    events { metadata_id: 2 offset_ps: 4000 duration_ps: 1000 }
+    events { metadata_id: 3 offset_ps: 6000 duration_ps: 1000 }
+  }
+  event_metadata { key: 1 value { id: 1 name: "cuLaunchKernelEx" } }
+  event_metadata { key: 2 value { id: 2 name: "cuGraphLaunch" } }
+  event_metadata { key: 3 value { id: 3 name: "cuMemcpyDtoHAsync" } }
+}
+"""
+    counts = host_launch_calls(ProfileData.from_text_proto(XSPACE + cupti))
+    assert counts == {"cuLaunchKernelEx": 2, "cuGraphLaunch": 1}  # no copies, nothing from the device plane
+    assert host_launch_calls(ProfileData.from_text_proto(XSPACE)) == {}
 
 
 def _sine_of(x):
@@ -146,3 +168,12 @@ planes {{
     summary = capsys.readouterr().out.split("by source function")[1].splitlines()[1:]
     assert [line.split()[0] for line in summary] == ["4.0", "2.0"]  # the two RMSNorm kernels, then the Pallas one
     assert summary[0].endswith("layers.py:RMSNorm.__call__") and summary[1].endswith("moe_gate_up")
+
+
+def test_the_table_reports_idle_time_and_host_launches_per_unit(capsys):
+    idle = DeviceIdle(span_us=100.0, idle_us=30.0, num_long_gaps=2, long_gap_us=24.0,
+                      host_launches={"cuGraphLaunch": 4, "cuLaunchKernelEx": 10})
+    print_kernel_table([], {}, 70.0, idle, top=0, per=2, unit="forward")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("device idle 15.0 us per forward of 50.0 us") and "12.0 us of it in 1.0 gaps" in lines[0]
+    assert lines[1] == "host launch calls per forward: cuLaunchKernelEx 5.0, cuGraphLaunch 2.0"
