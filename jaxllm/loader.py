@@ -28,8 +28,23 @@ def transpose(weight):  # HF Linear [out, in] -> kernel [in, out]
     return weight.T
 
 
-def concat_transposed(*weights):  # HF Linears [out_i, in] -> one kernel [in, sum out_i], in the order given
-    return np.concatenate([w.T for w in weights], axis=1)
+@dataclasses.dataclass(frozen=True)
+class ConcatTransposed:
+    """HF Linears [out_i, in] -> one kernel [in, sum out_i], in the order of the keys, where out_i must be widths[i]:
+    the concatenated shape alone would pass q/k/v projections whose head counts differ from config.json's but sum the
+    same."""
+
+    widths: tuple[int, ...]
+
+    def __call__(self, *weights):
+        got = tuple(w.shape[0] for w in weights)
+        if got != self.widths:
+            raise ValueError(f"their output widths are {got}, config.json implies {self.widths}")
+        return np.concatenate([w.T for w in weights], axis=1)
+
+    def split(self, kernel):
+        """The inverse: kernel [in, sum out_i] -> the HF tensors [out_i, in]."""
+        return [piece.T for piece in np.split(kernel, np.cumsum(self.widths)[:-1], axis=1)]
 
 
 def unchanged(weight):
@@ -84,9 +99,12 @@ def _assemble(path: str, spec: Tensor, reader: SafetensorsReader, shape, dtype) 
     def piece(fmt: dict, expected_shape) -> np.ndarray:
         keys = [key.format(**fmt) for key in spec.keys]
         tensors = [reader.get(key, path) for key in keys]
-        value = spec.convert(*tensors)
+        shapes = ", ".join(f"{k} {tuple(t.shape)}" for k, t in zip(keys, tensors))
+        try:
+            value = spec.convert(*tensors)
+        except ValueError as error:
+            raise CheckpointError(f"tensor {shapes} does not fit parameter {path}: {error}") from None
         if value.shape != tuple(expected_shape):
-            shapes = ", ".join(f"{k} {tuple(t.shape)}" for k, t in zip(keys, tensors))
             raise CheckpointError(f"tensor {shapes} does not fit parameter {path}: config.json implies "
                                   f"{tuple(expected_shape)} after conversion, the checkpoint gives {value.shape}")
         return value.astype(dtype)

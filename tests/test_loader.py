@@ -54,11 +54,24 @@ def test_an_unexpected_tensor_is_named(sdar_dir):
         load_model(sdar_dir, model_config(sdar_dir), "float32")
 
 
-def test_a_tensor_of_the_wrong_shape_is_named_with_both_shapes(sdar_dir):
+@pytest.mark.parametrize("field, message", [
+    ("hidden_size", r"input_layernorm\.weight \(64,\).*implies \(96,\) after conversion, the checkpoint gives \(64,\)"),
+    ("intermediate_size", r"gate_proj\.weight \(128, 64\).*widths are \(128, 128\), config.json implies \(96, 96\)"),
+])
+def test_a_tensor_of_the_wrong_shape_is_named_with_both_shapes(sdar_dir, field, message):
     config = json.loads((sdar_dir / "config.json").read_text())
-    config["intermediate_size"] = 96
+    config[field] = 96
     (sdar_dir / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.gate_proj\.weight \(128, 64\).*\(64, 192\)"):
+    with pytest.raises(CheckpointError, match=message):
+        load_model(sdar_dir, model_config(sdar_dir), "float32")
+
+
+def test_head_counts_that_disagree_with_the_checkpoint_are_named_even_when_the_widths_sum_the_same(sdar_dir):
+    config = json.loads((sdar_dir / "config.json").read_text())
+    config["num_attention_heads"], config["num_key_value_heads"] = 6, 1  # 6 + 2 * 1 heads, as 4 + 2 * 2
+    (sdar_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"self_attn\.q_proj\.weight \(64, 64\).*widths are \(64, 32, 32\), "
+                                              r"config.json implies \(96, 16, 16\)"):
         load_model(sdar_dir, model_config(sdar_dir), "float32")
 
 

@@ -43,7 +43,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 from tokenizers import Tokenizer
 
-from jaxllm.loader import concat_transposed, transpose, unchanged
+from jaxllm.loader import ConcatTransposed, transpose, unchanged
 from jaxllm.models import sdar
 from jaxllm.models.layers import DenseMetadata, Embedding
 from tools.device_profile import device_kernel_times, print_kernel_table
@@ -366,17 +366,15 @@ def _log_eval(step, total_steps, lr, losses, heldout, started, log) -> dict:
 
 def checkpoint_tensors(config: dict, params) -> dict[str, np.ndarray]:
     """HF key -> bf16 array, through sdar.hf_weight_map, inverted: transpose and unchanged are their own inverses,
-    and a concat_transposed parameter splits back into its tensors (q/k/v by head counts, gate/up in halves)."""
+    and a concatenated parameter splits back into its tensors."""
     cfg = sdar.config_from_hf(config)
     flat = {"/".join(str(k.key) for k in path): np.asarray(leaf)
             for path, leaf in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(params))[0]}
-    q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     tensors = {}
     for path, spec in sdar.hf_weight_map(cfg).items():
         assert spec.experts is None, path
-        if spec.convert is concat_transposed:
-            widths = [q_width, kv_width, kv_width] if len(spec.keys) == 3 else [flat[path].shape[1] // 2] * 2
-            pieces = [piece.T for piece in np.split(flat[path], np.cumsum(widths)[:-1], axis=1)]
+        if isinstance(spec.convert, ConcatTransposed):
+            pieces = spec.convert.split(flat[path])
         else:
             assert spec.convert in (transpose, unchanged) and len(spec.keys) == 1, path
             pieces = [spec.convert(flat[path])]

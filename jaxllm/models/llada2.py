@@ -12,7 +12,7 @@ from flax import nnx
 
 from jaxllm.config import ConfigError, ModelConfig, MoEConfig, hf_field, transformer_config
 from jaxllm.kernels.moe import moe_experts, route_grouped_sigmoid
-from jaxllm.loader import Tensor, concat_transposed, transpose, unchanged
+from jaxllm.loader import ConcatTransposed, Tensor, transpose, unchanged
 from jaxllm.models.layers import MLP, DecoderLM, Linear, normal_init
 from jaxllm.quantization import quantize
 
@@ -97,24 +97,24 @@ def hf_weight_map(cfg: ModelConfig) -> dict[str, Tensor]:
         "attn/k_norm/weight": (("attention.key_layernorm.weight",), unchanged),
     }
 
-    def swiglu(module):  # an MLP's parameters; its checkpoint keys spell the module path with dots
+    def swiglu(module, width):  # an MLP's parameters; its checkpoint keys spell the module path with dots
         key = module.replace("/", ".")
         return {f"{module}/gate_up_proj/kernel": ((f"{key}.gate_proj.weight", f"{key}.up_proj.weight"),
-                                                 concat_transposed),
+                                                 ConcatTransposed((width, width))),
                 f"{module}/down_proj/kernel": ((f"{key}.down_proj.weight",), transpose)}
 
     moe_mlp = {
         "mlp/gate/kernel": (("mlp.gate.weight",), transpose),
         "mlp/expert_bias": (("mlp.gate.expert_bias",), unchanged),
         "mlp/experts_gate_up": (("mlp.experts.{expert}.gate_proj.weight", "mlp.experts.{expert}.up_proj.weight"),
-                                concat_transposed),
+                                ConcatTransposed((cfg.moe.moe_intermediate_size,) * 2)),
         "mlp/experts_down": (("mlp.experts.{expert}.down_proj.weight",), transpose),
     }
     if cfg.moe.num_shared_experts:
-        moe_mlp |= swiglu("mlp/shared_experts")
+        moe_mlp |= swiglu("mlp/shared_experts", cfg.moe.moe_intermediate_size * cfg.moe.num_shared_experts)
     weights = {}
     for i in range(cfg.num_layers):
-        mlp = swiglu("mlp") if i < cfg.moe.first_k_dense_replace else moe_mlp
+        mlp = swiglu("mlp", cfg.intermediate_size) if i < cfg.moe.first_k_dense_replace else moe_mlp
         for path, (keys, convert) in (attention | mlp).items():
             experts = cfg.moe.num_experts if "{expert}" in keys[0] else None
             weights[f"layers/{i}/{path}"] = Tensor(tuple(f"model.layers.{i}.{k}" for k in keys), convert, experts)

@@ -7,7 +7,7 @@ block-causal (a token sees its own block and every earlier one) and logits predi
 from flax import nnx
 
 from jaxllm.config import ModelConfig, transformer_config
-from jaxllm.loader import Tensor, concat_transposed, transpose, unchanged
+from jaxllm.loader import ConcatTransposed, Tensor, transpose, unchanged
 from jaxllm.models.layers import MLP, DecoderLM
 
 MODEL_TYPE = "sdar"
@@ -25,14 +25,17 @@ class SDAR(DecoderLM):
 
 def hf_weight_map(cfg: ModelConfig) -> dict[str, Tensor]:
     """Model parameter path -> the checkpoint tensors it is made of."""
+    q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     per_layer = {
         "input_layernorm/weight": (("input_layernorm.weight",), unchanged),
         "post_attention_layernorm/weight": (("post_attention_layernorm.weight",), unchanged),
-        "attn/qkv_proj/kernel": (tuple(f"self_attn.{p}_proj.weight" for p in "qkv"), concat_transposed),
+        "attn/qkv_proj/kernel": (tuple(f"self_attn.{p}_proj.weight" for p in "qkv"),
+                                 ConcatTransposed((q_width, kv_width, kv_width))),
         "attn/o_proj/kernel": (("self_attn.o_proj.weight",), transpose),
         "attn/q_norm/weight": (("self_attn.q_norm.weight",), unchanged),
         "attn/k_norm/weight": (("self_attn.k_norm.weight",), unchanged),
-        "mlp/gate_up_proj/kernel": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), concat_transposed),
+        "mlp/gate_up_proj/kernel": (("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+                                    ConcatTransposed((cfg.intermediate_size,) * 2)),
         "mlp/down_proj/kernel": (("mlp.down_proj.weight",), transpose),
     }
     weights = {f"layers/{i}/{path}": Tensor(tuple(f"model.layers.{i}.{key}" for key in keys), convert)
