@@ -111,21 +111,17 @@ def _prologue_kernel(layer_ref, qkv_ref, cos_ref, sin_ref, pool_rows_ref, q_norm
     def _():
         store(q_ref, (token, head), rotated)
 
-    @pl.when(is_k)
-    def _():
-        store(k_ref, (token, kv_head), rotated)
-
-        @pl.when(in_pool)
+    def store_kv(is_kind, out_ref, pages_ref, values):  # a k or v head: its output, and the pool
+        @pl.when(is_kind)
         def _():
-            store(k_pages_ref, (layer, kv_head, pool_row), rotated)
+            store(out_ref, (token, kv_head), values)
 
-    @pl.when(is_v)
-    def _():
-        store(v_ref, (token, kv_head), x)
+            @pl.when(in_pool)
+            def _():
+                store(pages_ref, (layer, kv_head, pool_row), values)
 
-        @pl.when(in_pool)
-        def _():
-            store(v_pages_ref, (layer, kv_head, pool_row), x)
+    store_kv(is_k, k_ref, k_pages_ref, rotated)
+    store_kv(is_v, v_ref, v_pages_ref, x)
 
 
 def _attention_prologue_pallas(qkv, q_norm_weight, k_norm_weight, cos, sin, k_pages, v_pages, layer, pool_rows, *,
