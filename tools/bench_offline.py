@@ -186,8 +186,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
-    temporary_dump = tempfile.TemporaryDirectory(prefix="bench_offline_hlo_") if args.profile else None
-    hlo_dump = (args.hlo_dump_dir or temporary_dump.name) if args.profile else None
+    hlo_dump = None
+    if args.profile:
+        temporary_dump = None if args.hlo_dump_dir else tempfile.TemporaryDirectory(prefix="bench_offline_hlo_")
+        hlo_dump = args.hlo_dump_dir or temporary_dump.name
     if hlo_dump:  # the optimized HLO names each profiled kernel's source; set before JAX starts its backend
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {hlo_dump_flags(hlo_dump)}"
 
