@@ -44,13 +44,10 @@ from jax.experimental.pallas import triton as pltriton
 from jaxllm.quantization import QuantizedWeight, dequantize, quantize_rows
 
 
-def route_grouped_sigmoid(router_logits, expert_bias, *, top_k, n_group, topk_group, routed_scaling_factor,
-                          norm_topk_prob):
-    """f32[T, E] logits -> (f32[T, top_k] weights, i32[T, top_k] expert ids)."""
+def route_grouped_sigmoid_reference(router_logits, expert_bias, *, top_k, n_group, topk_group, routed_scaling_factor,
+                                    norm_topk_prob):
+    """f32[T, E] logits -> (f32[T, top_k] weights, i32[T, top_k] expert ids), in XLA (the CPU path)."""
     num_tokens, num_experts = router_logits.shape
-    if num_experts % n_group or num_experts // n_group < 2:
-        raise ValueError(f"{num_experts} experts must split into {n_group} groups of at least two (a group scores "
-                         f"its top two)")
     scores = jax.nn.sigmoid(router_logits.astype(jnp.float32))
     choice = scores + expert_bias.astype(jnp.float32)[None, :]
     grouped = choice.reshape(num_tokens, n_group, num_experts // n_group)
@@ -69,6 +66,98 @@ def route_grouped_sigmoid(router_logits, expert_bias, *, top_k, n_group, topk_gr
     if norm_topk_prob:
         weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
     return weights * routed_scaling_factor, expert_ids.astype(jnp.int32)
+
+
+def _route_kernel(logits_ref, bias_ref, weights_ref, ids_ref, *, top_k, n_group, topk_group, routed_scaling_factor,
+                  norm_topk_prob):
+    """One token per program: its E router logits -> its top_k (weight, expert) pairs.
+
+    The same steps as the reference, on [n_group, E / n_group] and [E] views of one row: each group's top two by
+    argmax and masked max, the kept groups by a rank count, then top_k rounds of take-the-first-max over the kept
+    experts (lax.top_k's order and ties). With one warp per token every reduction stays inside the warp.
+    """
+    token = pl.program_id(0)
+    num_experts = logits_ref.shape[1]
+    group_size = num_experts // n_group
+    scores = jax.nn.sigmoid(logits_ref[token, :])  # [E]
+    choice = scores + bias_ref[...]
+    grouped = jax.nn.sigmoid(logits_ref[token, :].reshape(n_group, group_size)) + bias_ref[...].reshape(
+        n_group, group_size)
+    in_group = lax.broadcasted_iota(jnp.int32, (n_group, group_size), 1)
+    first = jnp.argmax(grouped, axis=1)[:, None]
+    runner_up = jnp.max(jnp.where(in_group == first, -jnp.inf, grouped), axis=1)
+    group_scores = jnp.max(grouped, axis=1) + runner_up  # [G]
+    group_row = lax.broadcasted_iota(jnp.int32, (n_group, n_group), 0)
+    group_col = lax.broadcasted_iota(jnp.int32, (n_group, n_group), 1)
+    above = (group_scores[None, :] > group_scores[:, None]) | (
+        (group_scores[None, :] == group_scores[:, None]) & (group_col < group_row))
+    group_kept = jnp.sum(above.astype(jnp.int32), axis=1) < topk_group  # [G]
+    expert = lax.iota(jnp.int32, num_experts)
+    expert_group = lax.broadcasted_iota(jnp.int32, (num_experts, n_group), 0) // group_size
+    kept = jnp.sum(((expert_group == lax.broadcasted_iota(jnp.int32, (num_experts, n_group), 1))
+                    & group_kept[None, :]).astype(jnp.int32), axis=1) > 0  # [E]
+    remaining = jnp.where(kept, choice, -jnp.inf)
+    slot = lax.iota(jnp.int32, top_k)
+    ids, weights = jnp.zeros((top_k,), jnp.int32), jnp.zeros((top_k,), jnp.float32)
+    for rank in range(top_k):
+        best = jnp.argmax(remaining).astype(jnp.int32)
+        ids = jnp.where(slot == rank, best, ids)
+        weights = jnp.where(slot == rank, jnp.sum(jnp.where(expert == best, scores, 0.0)), weights)
+        remaining = jnp.where(expert == best, -jnp.inf, remaining)
+    if norm_topk_prob:
+        weights = weights / (jnp.sum(weights) + 1e-20)
+    weights_ref[token, :] = weights * routed_scaling_factor
+    ids_ref[token, :] = ids
+
+
+def _route_grouped_sigmoid_pallas(router_logits, expert_bias, *, top_k, n_group, topk_group, routed_scaling_factor,
+                                  norm_topk_prob, interpret):
+    num_tokens = router_logits.shape[0]
+    kernel = functools.partial(_route_kernel, top_k=top_k, n_group=n_group, topk_group=topk_group,
+                               routed_scaling_factor=float(routed_scaling_factor), norm_topk_prob=norm_topk_prob)
+    raw = pl.BlockSpec(memory_space=pl.ANY)
+    return pl.pallas_call(
+        kernel,
+        out_shape=[jax.ShapeDtypeStruct((num_tokens, top_k), jnp.float32),
+                   jax.ShapeDtypeStruct((num_tokens, top_k), jnp.int32)],
+        grid=(num_tokens,),
+        in_specs=[raw, raw],
+        out_specs=[raw, raw],
+        compiler_params=pltriton.CompilerParams(num_warps=1, num_stages=1),
+        interpret=interpret,
+        name="moe_route",
+    )(router_logits.astype(jnp.float32), expert_bias.astype(jnp.float32))
+
+
+def _is_power_of_two(n):
+    return n > 0 and n & (n - 1) == 0
+
+
+def route_grouped_sigmoid(router_logits, expert_bias, *, top_k, n_group, topk_group, routed_scaling_factor,
+                          norm_topk_prob, impl="auto", interpret=False):
+    """f32[T, E] logits -> (f32[T, top_k] weights, i32[T, top_k] expert ids).
+
+    impl: "auto" (the Pallas kernel on GPU where E, E / n_group, n_group and top_k are powers of two, as Triton's
+    tensors must be; XLA elsewhere), "pallas" or "reference". On the GPU XLA runs the routing as ~7 kernels per
+    call, the kernel as one.
+    """
+    kwargs = dict(top_k=top_k, n_group=n_group, topk_group=topk_group, routed_scaling_factor=routed_scaling_factor,
+                  norm_topk_prob=norm_topk_prob)
+    num_experts = router_logits.shape[1]
+    if num_experts % n_group or num_experts // n_group < 2:
+        raise ValueError(f"{num_experts} experts must split into {n_group} groups of at least two (a group scores "
+                         f"its top two)")
+    fits = all(_is_power_of_two(n) for n in (num_experts, num_experts // n_group, n_group, top_k))
+    if impl == "auto":
+        impl = "pallas" if jax.default_backend() == "gpu" and fits else "reference"
+    if impl == "reference":
+        return route_grouped_sigmoid_reference(router_logits, expert_bias, **kwargs)
+    if impl == "pallas":
+        if not fits:
+            raise ValueError(f"the Pallas router needs powers of two: {num_experts} experts, {n_group} groups, "
+                             f"top {top_k}")
+        return _route_grouped_sigmoid_pallas(router_logits, expert_bias, interpret=interpret, **kwargs)
+    raise ValueError(f"unknown routing impl {impl!r}; use 'auto', 'pallas' or 'reference'")
 
 
 def route_softmax_topk(router_logits, *, top_k, norm_topk_prob):
