@@ -10,6 +10,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax import lax
 
 from jaxllm.kernels.attention_prologue import attention_prologue, qk_norm_rope, rms_norm, rope_tables
 from jaxllm.kernels.paged_attention import paged_attention, window_pool_rows
@@ -60,6 +61,12 @@ def normal_init(rngs: nnx.Rngs, shape, dtype, std=0.02):
     return nnx.Param((std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype))
 
 
+def matmul(x, w):
+    """x @ w in x's dtype. A float32 model multiplies in float32: XLA:GPU would otherwise round float32 operands
+    to TF32 on the tensor cores (~1e-3 relative error), and PyTorch's float32 matmuls do not."""
+    return jnp.dot(x, w.astype(x.dtype), precision=lax.Precision.HIGHEST if x.dtype == jnp.float32 else None)
+
+
 class Linear(nnx.Module):
     """y = x @ kernel, kernel [in, out] (HF stores [out, in]; the loader transposes)."""
 
@@ -67,7 +74,7 @@ class Linear(nnx.Module):
         self.kernel = normal_init(rngs, (in_features, out_features), dtype)
 
     def __call__(self, x):
-        return jnp.dot(x, self.kernel[...].astype(x.dtype))
+        return matmul(x, self.kernel[...])
 
 
 class RMSNorm(nnx.Module):
@@ -164,7 +171,7 @@ class Embedding(nnx.Module):
         return jnp.take(self.embedding[...], tokens, axis=0)
 
     def attend(self, x):  # tied LM head
-        return jnp.dot(x, self.embedding[...].T.astype(x.dtype))
+        return matmul(x, self.embedding[...].T)
 
 
 class DecoderLM(nnx.Module):
