@@ -254,8 +254,9 @@ def default_tiles(num_assignments, num_experts, hidden, inter, upcast_weights=Fa
     e4m3 weights that the kernels up-cast to the activations' dtype.
     """
     rows_per_expert = num_assignments / num_experts
-    if rows_per_expert <= 16 and upcast_weights:  # memory-bound, 1-byte weights: deep k tiles keep bytes in flight
-        block_m, gate_up, down = 16, GemmTiles(32, 256, 4, 3), GemmTiles(128, 128, 4, 3)
+    if rows_per_expert <= 16 and upcast_weights:  # memory-bound, 1-byte weights: deep k tiles keep bytes in flight,
+        # 8 warps share the up-cast of a 64 x 256 tile (MoE run 8)
+        block_m, gate_up, down = 16, GemmTiles(64, 256, 8, 3), GemmTiles(128, 128, 4, 3)
     elif rows_per_expert <= 16:  # memory-bound: one 16-row tile per touched expert, wide weight tiles
         block_m, gate_up, down = 16, GemmTiles(128, 128, 4, 3), GemmTiles(256, 64, 4, 3)
     elif rows_per_expert <= 96:
