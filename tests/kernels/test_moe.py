@@ -165,6 +165,8 @@ CASES = {
                        MoeTiles(32, gate_up=GemmTiles(16, 64, 4, 3), down=GemmTiles(64, 16, 4, 3))),
     "default_tiles_bf16": (37, 4, 8, "random", jnp.bfloat16, None, False, None),
     "default_tiles_compute_regime_int8": (200, 4, 8, "random", jnp.bfloat16, "int8", False, None),
+    "default_tiles_memory_regime_int8_channel_major": (5, 4, 8, "random", jnp.bfloat16, "int8_channel_major", False,
+                                                       None),
     "int8_bf16": (37, 4, 8, "random", jnp.bfloat16, "int8", False, SMALL_TILES),
     "int8_f32_empty_experts": (29, 2, 16, "subset", jnp.float32, "int8", False, SMALL_TILES),
     "fp8_bf16": (37, 4, 8, "random", jnp.bfloat16, "fp8", False, SMALL_TILES),
