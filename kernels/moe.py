@@ -147,6 +147,9 @@ def route_grouped_sigmoid(router_logits, expert_bias, *, top_k, n_group, topk_gr
     if num_experts % n_group or num_experts // n_group < 2:
         raise ValueError(f"{num_experts} experts must split into {n_group} groups of at least two (a group scores "
                          f"its top two)")
+    if top_k > topk_group * (num_experts // n_group):
+        raise ValueError(f"top_k={top_k} exceeds the {topk_group} kept groups' {topk_group * (num_experts // n_group)} "
+                         f"experts")
     fits = all(_is_power_of_two(n) for n in (num_experts, num_experts // n_group, n_group, top_k))
     if impl == "auto":
         impl = "pallas" if jax.default_backend() == "gpu" and fits else "reference"

@@ -165,6 +165,8 @@ CASES = {
                        MoeTiles(32, gate_up=GemmTiles(16, 64, 4, 3), down=GemmTiles(64, 16, 4, 3))),
     "default_tiles_bf16": (37, 4, 8, "random", jnp.bfloat16, None, False, None),
     "default_tiles_compute_regime_int8": (200, 4, 8, "random", jnp.bfloat16, "int8", False, None),
+    # the 1-byte default of <= 16 rows per expert, shrunk to these dims (64 x 128 gate/up); the full-size tiles are
+    # checked to lower in test_full_size_layer_lowers_to_triton_for_cuda
     "default_tiles_memory_regime_int8_channel_major": (5, 4, 8, "random", jnp.bfloat16, "int8_channel_major", False,
                                                        None),
     "int8_bf16": (37, 4, 8, "random", jnp.bfloat16, "int8", False, SMALL_TILES),
@@ -376,6 +378,13 @@ def test_grouped_routing_breaks_ties_as_top_k_does():
 def test_grouped_routing_rejects_groups_of_one_expert():
     with pytest.raises(ValueError, match="groups of at least two"):
         route_grouped_sigmoid(jnp.zeros((4, 8)), jnp.zeros(8), top_k=2, n_group=8, topk_group=2,
+                              routed_scaling_factor=1.0, norm_topk_prob=True)
+
+
+def test_grouped_routing_rejects_more_experts_than_the_kept_groups_hold():
+    """4 groups of 8 keeping 1: only 8 experts can be chosen; the kernel would repeat expert 0 for the ninth."""
+    with pytest.raises(ValueError, match="exceeds"):
+        route_grouped_sigmoid(jnp.zeros((4, 32)), jnp.zeros(32), top_k=9, n_group=4, topk_group=1,
                               routed_scaling_factor=1.0, norm_topk_prob=True)
 
 
