@@ -50,7 +50,8 @@ def _filter_top_k_top_p(logits, top_k, top_p):
     probs = jax.nn.softmax(sorted_desc, axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs  # probability above each sorted entry
     # the smallest prefix whose mass reaches top_p: keep entries whose preceding mass is below top_p
-    nucleus_size = jnp.sum(mass_before < top_p[:, None], axis=-1)
+    # top_p = 1 is off: the float32 cumulative mass reaches 1 before the tail ends and would cut it
+    nucleus_size = jnp.where(top_p < 1.0, jnp.sum(mass_before < top_p[:, None], axis=-1), vocab)
     pth = jnp.take_along_axis(sorted_desc, (nucleus_size - 1)[:, None], axis=-1)
     return jnp.where(logits >= jnp.maximum(kth, pth), logits, -jnp.inf)
 

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.sampling import SamplingParams, propose
+from jaxllm.sampling import SamplingParams, _filter_top_k_top_p, propose
 
 
 def run(logits, seeds, temperature, top_k=-1, top_p=1.0, positions=None):
@@ -45,6 +45,14 @@ def test_a_seed_gives_the_same_draws_in_any_batch_slot():
     assert (np.asarray(batched[1]) == np.asarray(alone[0])).all()
     other, _ = run(logits, [43], 1.0, positions=np.arange(8)[None])
     assert (np.asarray(other[0]) != np.asarray(alone[0])).any()
+
+
+def test_top_p_of_one_keeps_the_whole_distribution():
+    """A row with top_p = 1 beside a row that filters keeps its tail: float32's cumulative mass reaches 1 early."""
+    logits = np.random.default_rng(4).normal(size=(1, 1, 32768)) * 4
+    rows = np.concatenate([logits, logits]).reshape(2, -1).astype(np.float32)
+    filtered = np.asarray(_filter_top_k_top_p(jnp.asarray(rows), jnp.asarray([-1, 50]), jnp.asarray([1.0, 1.0])))
+    assert np.isfinite(filtered[0]).all() and np.isfinite(filtered[1]).sum() == 50
 
 
 @pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(temperature=-1), dict(top_k=0), dict(top_p=0.0),
