@@ -82,12 +82,15 @@ def random_prompts(llm: LLM, num_prompts: int, input_len: int, seed: int) -> lis
     return [rng.integers(4, len(llm.engine.tokenizer), input_len).tolist() for _ in range(num_prompts)]
 
 
-def run(llm: LLM, prompts: list[list[int]], output_len: int, steps_per_round: int | None = None) -> dict:
-    """Time one generate of the prompts; the first call of a shape must come after a warm-up generate."""
+def run(llm: LLM, prompts: list[list[int]], output_len: int, steps_per_round: int | None = None,
+        sampling: dict | None = None) -> dict:
+    """Time one generate of the prompts; the first call of a shape must come after a warm-up generate.
+
+    sampling: SamplingParams fields beyond the lengths (temperature, top_k, top_p, seed); None is greedy."""
     engine = llm.engine
     if steps_per_round is not None:
         engine.runner.max_steps_per_round = steps_per_round
-    params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True, **(sampling or {}))
     forwards_before, decode_before, rounds_before = engine.num_forwards, engine.decode_time, engine.num_decode_rounds
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
@@ -173,6 +176,9 @@ def main() -> None:
     parser.add_argument("--threshold", type=float)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--quantization", choices=["int8", "fp8"])
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the sampler's fast path)")
+    parser.add_argument("--top-k", type=int, default=-1)
+    parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed runs per configuration; the row is the median run, ms_spread their max - min")
@@ -198,16 +204,17 @@ def main() -> None:
     cfg = llm.engine.model_config
     default_cap = llm.engine.runner.max_steps_per_round
     print(" | ".join(COLUMNS), flush=True)  # rows print as they finish: a run cut short keeps what it measured
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    timed = functools.partial(run, llm, sampling=sampling)
     for batch in args.batch:
         prompts = random_prompts(llm, args.num_prompts or batch, args.input_len, args.seed)
-        run(llm, prompts, args.output_len)  # the same greedy run first: it compiles every shape the timed run meets
-        runs = [median_run([run(llm, prompts, args.output_len, cap) for _ in range(args.repeats)])
+        timed(prompts, args.output_len)  # the same run first: it compiles every shape the timed run meets
+        runs = [median_run([timed(prompts, args.output_len, cap) for _ in range(args.repeats)])
                 for cap in [default_cap, *args.steps_per_round]]
         llm.engine.runner.max_steps_per_round = default_cap
         if args.profile:  # before the expert count: the H200 ran the next round 8% slower after that other jit
             forwards_before = llm.engine.num_forwards
-            profile = device_kernel_times(functools.partial(run, llm, prompts, args.output_len), PROFILE_SCOPES,
-                                          hlo_dump)
+            profile = device_kernel_times(functools.partial(timed, prompts, args.output_len), PROFILE_SCOPES, hlo_dump)
             print(f"profile: {cfg.model_type} batch {batch}")
             print_kernel_table(*profile, top=args.profile, per=llm.engine.num_forwards - forwards_before,
                                unit="forward (the run's prefill included)")
@@ -223,7 +230,7 @@ def main() -> None:
                            floor_ms=round(floor["floor_ms"], 3), floor_bound=floor["bound"],
                            gb_per_forward=round(floor["bytes"] / 1e9, 2),
                            floor_ratio=round(result["ms_per_forward"] / floor["floor_ms"], 2),
-                           quantization=args.quantization)
+                           quantization=args.quantization, **{k: v for k, v in sampling.items() if k != "seed"})
             print(" | ".join(str(result[c]) for c in COLUMNS), flush=True)
             if args.json:
                 with open(args.json, "a") as f:

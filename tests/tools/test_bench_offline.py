@@ -3,7 +3,7 @@
 import pytest
 
 from jaxllm import LLM, SamplingParams
-from tools.bench_offline import forward_floor, measured_touched_experts, median_run
+from tools.bench_offline import forward_floor, measured_touched_experts, median_run, run
 
 BLOCK = 4
 
@@ -59,3 +59,12 @@ def test_median_run_is_the_middle_run_with_the_spread():
     assert middle["ms_per_forward"] == 3.2 and middle["outputs"] == [[2]]
     assert middle["ms_spread"] == 0.3 and middle["ms_per_forward_runs"] == [3.4, 3.1, 3.2]
     assert median_run(results[:2])["ms_per_forward"] == 3.1  # an even count takes the lower middle
+
+
+def test_sampling_options_reach_the_engine(llada2):
+    """The timed run samples as asked: seeded draws repeat, and they are not the greedy tokens."""
+    prompts = [list(range(5, 13))]
+    greedy = run(llada2, prompts, 2 * BLOCK)["outputs"]
+    sampling = dict(temperature=1.5, top_p=0.9, seed=3)
+    first, second = (run(llada2, prompts, 2 * BLOCK, sampling=sampling)["outputs"] for _ in range(2))
+    assert first == second != greedy
