@@ -81,8 +81,7 @@ def _route_kernel(logits_ref, bias_ref, weights_ref, ids_ref, *, top_k, n_group,
     group_size = num_experts // n_group
     scores = jax.nn.sigmoid(logits_ref[token, :])  # [E]
     choice = scores + bias_ref[...]
-    grouped = jax.nn.sigmoid(logits_ref[token, :].reshape(n_group, group_size)) + bias_ref[...].reshape(
-        n_group, group_size)
+    grouped = choice.reshape(n_group, group_size)
     in_group = lax.broadcasted_iota(jnp.int32, (n_group, group_size), 1)
     first = jnp.argmax(grouped, axis=1)[:, None]
     runner_up = jnp.max(jnp.where(in_group == first, -jnp.inf, grouped), axis=1)
