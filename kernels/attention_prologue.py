@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from jaxllm.kernels import is_power_of_two
 from jaxllm.kernels.paged_attention import write_kv_pages
 
 
@@ -151,10 +152,6 @@ def _attention_prologue_pallas(qkv, q_norm_weight, k_norm_weight, cos, sin, k_pa
     return q, k, v, k_pages_out.reshape(k_pages.shape), v_pages_out.reshape(v_pages.shape)
 
 
-def _is_power_of_two(n):
-    return n > 0 and n & (n - 1) == 0
-
-
 def attention_prologue(qkv, q_norm_weight, k_norm_weight, cos, sin, k_pages, v_pages, layer, pool_rows, *,
                        num_heads, num_kv_heads, eps, impl="auto", interpret=False):
     """q, k, v of the projected tokens and the pool with their K/V written (layouts: module docstring).
@@ -169,7 +166,7 @@ def attention_prologue(qkv, q_norm_weight, k_norm_weight, cos, sin, k_pages, v_p
     if cos.shape != (qkv.shape[0], half) or sin.shape != cos.shape or pool_rows.shape != qkv.shape[:1]:
         raise ValueError(f"cos/sin must be [T, R/2] and pool_rows [T]; got {cos.shape}, {sin.shape}, "
                          f"{pool_rows.shape} for T = {qkv.shape[0]}")
-    kernel_fits = _is_power_of_two(half) and (head_dim == 2 * half or _is_power_of_two(head_dim - 2 * half))
+    kernel_fits = is_power_of_two(half) and (head_dim == 2 * half or is_power_of_two(head_dim - 2 * half))
     if impl == "auto":
         impl = "pallas" if jax.default_backend() == "gpu" and kernel_fits else "reference"
     kwargs = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, eps=eps)

@@ -41,6 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from jaxllm.kernels import is_power_of_two
 from jaxllm.quantization import QuantizedWeight, dequantize, quantize_rows
 
 
@@ -128,10 +129,6 @@ def _route_grouped_sigmoid_pallas(router_logits, expert_bias, *, top_k, n_group,
     )(router_logits.astype(jnp.float32), expert_bias.astype(jnp.float32))
 
 
-def _is_power_of_two(n):
-    return n > 0 and n & (n - 1) == 0
-
-
 def route_grouped_sigmoid(router_logits, expert_bias, *, top_k, n_group, topk_group, routed_scaling_factor,
                           norm_topk_prob, impl="auto", interpret=False):
     """f32[T, E] logits -> (f32[T, top_k] weights, i32[T, top_k] expert ids).
@@ -149,7 +146,7 @@ def route_grouped_sigmoid(router_logits, expert_bias, *, top_k, n_group, topk_gr
     if top_k > topk_group * (num_experts // n_group):
         raise ValueError(f"top_k={top_k} exceeds the {topk_group} kept groups' {topk_group * (num_experts // n_group)} "
                          f"experts")
-    fits = all(_is_power_of_two(n) for n in (num_experts, num_experts // n_group, n_group, top_k))
+    fits = all(is_power_of_two(n) for n in (num_experts, num_experts // n_group, n_group, top_k))
     if impl == "auto":
         impl = "pallas" if jax.default_backend() == "gpu" and fits else "reference"
     if impl == "reference":
@@ -279,7 +276,7 @@ def _check_tiles(tiles, hidden, inter):
     for name, gemm, n, k in (("gate_up", tiles.gate_up, inter, hidden), ("down", tiles.down, hidden, inter)):
         if n % gemm.block_n or k % gemm.block_k:
             raise ValueError(f"{name} tiles {gemm} must divide N={n} and K={k}")
-    if tiles.block_m < 16 or tiles.block_m & (tiles.block_m - 1):
+    if tiles.block_m < 16 or not is_power_of_two(tiles.block_m):
         raise ValueError(f"block_m must be a power of two >= 16, got {tiles.block_m}")
 
 
