@@ -39,7 +39,7 @@ class DeviceIdle:
 
     span_us: float
     idle_us: float
-    num_long_gaps: int  # gaps of at least LONG_GAP_US: the device waiting on the host
+    num_long_gaps: int  # gaps of at least LONG_GAP_US: the device waiting on the host (whom the profiler slows)
     long_gap_us: float
     # CUDA calls that launch work (kernels, graphs), by name, where the trace records the host's driver calls: how
     # many launches the host makes, e.g. whether XLA's command buffers (CUDA graphs) hold the kernels
@@ -205,7 +205,8 @@ def print_kernel_table(kernels: list[KernelTime], by_scope: dict[str, float], bu
     if idle is not None:
         print(f"device idle {idle.idle_us / per:.1f} us per {unit} of {idle.span_us / per:.1f} us from first to last "
               f"kernel; {idle.long_gap_us / per:.1f} us of it in {idle.num_long_gaps / per:.1f} gaps of "
-              f">= {LONG_GAP_US:.0f} us per {unit} (the device waiting on the host)")
+              f">= {LONG_GAP_US:.0f} us per {unit} (the device waiting on the host, which the profiler slows: "
+              f"compare the span with the unprofiled time)")
         if idle.host_launches:
             by_count = sorted(idle.host_launches.items(), key=lambda kv: -kv[1])
             print(f"host launch calls per {unit}: " + ", ".join(f"{name} {n / per:.1f}" for name, n in by_count))
