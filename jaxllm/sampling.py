@@ -56,13 +56,20 @@ def _filter_top_k_top_p(logits, top_k, top_p):
     return jnp.where(logits >= jnp.maximum(kth, pth), logits, -jnp.inf)
 
 
-def propose(logits, seeds, positions, steps, temperature, top_k, top_p):
-    """A candidate token and its confidence for every position.
+def _greedy_proposals(logits):
+    """The argmax and its softmax probability, in two passes over the logits (argmax, then a sum of exponentials)."""
+    candidates = jnp.argmax(logits, axis=-1)
+    return candidates, _probability_of(logits, candidates)
 
-    logits f32[B, Q, V]; seeds u32[B]; positions, steps i32[B, Q]; temperature, top_p f32[B]; top_k i32[B].
-    Returns (candidates i32[B, Q], confidence f32[B, Q]): confidence is the candidate's probability under the
-    distribution it was drawn from (temperature, top-k and top-p applied; plain softmax when greedy).
-    """
+
+def _probability_of(logits, candidates):
+    """softmax(logits)[candidate] as 1 / sum(exp(logits - chosen)): no separate max pass, and exactly PyTorch's
+    softmax maximum for an argmax (exp(0) = 1). A candidate far below the maximum overflows the sum to inf: 0."""
+    chosen = jnp.take_along_axis(logits, candidates[..., None], axis=-1)
+    return 1.0 / jnp.sum(jnp.exp(logits - chosen), axis=-1)
+
+
+def _sampled_proposals(logits, seeds, positions, steps, temperature, top_k, top_p):
     batch, window, vocab = logits.shape
     greedy = temperature <= 0.0
     scale = jnp.where(greedy, 1.0, temperature)[:, None, None]
@@ -74,14 +81,33 @@ def propose(logits, seeds, positions, steps, temperature, top_k, top_p):
         lambda s: _filter_top_k_top_p(s.reshape(-1, vocab), rows(top_k), rows(top_p)).reshape(s.shape),
         lambda s: s, scaled)
 
-    def gumbel_argmax(s):
-        def one(seed, position, step, row):
-            key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), position), step)
-            return jnp.argmax(row + jax.random.gumbel(key, (vocab,), jnp.float32))
-        sampled = jax.vmap(jax.vmap(one, in_axes=(None, 0, 0, 0)))(seeds, positions, steps, s)
-        return jnp.where(greedy[:, None], jnp.argmax(s, axis=-1), sampled)
+    def one(seed, position, step, row):
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), position), step)
+        return jnp.argmax(row + jax.random.gumbel(key, (vocab,), jnp.float32))
 
-    candidates = jax.lax.cond(jnp.any(~greedy), gumbel_argmax, lambda s: jnp.argmax(s, axis=-1), scaled)
-    log_norm = jax.nn.logsumexp(scaled, axis=-1)
-    chosen = jnp.take_along_axis(scaled, candidates[..., None], axis=-1)[..., 0]
-    return candidates.astype(jnp.int32), jnp.exp(chosen - log_norm)
+    sampled = jax.vmap(jax.vmap(one, in_axes=(None, 0, 0, 0)))(seeds, positions, steps, scaled)
+    candidates = jnp.where(greedy[:, None], jnp.argmax(scaled, axis=-1), sampled)
+    return candidates, _probability_of(scaled, candidates)
+
+
+def propose(logits, seeds, positions, steps, temperature, top_k, top_p, allowed=None):
+    """A candidate token and its confidence for every position.
+
+    logits f32[B, Q, V]; seeds u32[B]; positions, steps i32[B, Q]; temperature, top_p f32[B]; top_k i32[B];
+    allowed bool[V] (None: all) the token ids that may be proposed.
+    Returns (candidates i32[B, Q], confidence f32[B, Q]): confidence is the candidate's probability under the
+    distribution it was drawn from (temperature, top-k and top-p applied; plain softmax when greedy).
+
+    A batch of plain greedy requests (the common case) takes a branch of two fused passes over the logits; any
+    sampling or filtering takes the general branch, which computes a greedy row's candidate and confidence with the
+    same operations, so a request's output does not depend on its batch. The mask is applied inside each branch: a
+    masked copy as the branches' operand would be one more full write and read of the logits.
+    """
+    def masked(raw):
+        return raw if allowed is None else jnp.where(allowed, raw, -jnp.inf)
+
+    plain_greedy = jnp.all((temperature <= 0.0) & (top_k <= 0) & (top_p >= 1.0))
+    candidates, confidence = jax.lax.cond(
+        plain_greedy, lambda raw: _greedy_proposals(masked(raw)),
+        lambda raw: _sampled_proposals(masked(raw), seeds, positions, steps, temperature, top_k, top_p), logits)
+    return candidates.astype(jnp.int32), confidence

@@ -7,13 +7,14 @@ import pytest
 from jaxllm.sampling import SamplingParams, _filter_top_k_top_p, propose
 
 
-def run(logits, seeds, temperature, top_k=-1, top_p=1.0, positions=None):
+def run(logits, seeds, temperature, top_k=-1, top_p=1.0, positions=None, allowed=None):
+    """temperature: one value for every row or one per row."""
     logits = jnp.asarray(logits, jnp.float32)
     batch, window, _ = logits.shape
     positions = jnp.zeros((batch, window), jnp.int32) if positions is None else jnp.asarray(positions, jnp.int32)
     return propose(logits, jnp.asarray(seeds, jnp.uint32), positions, jnp.zeros((batch, window), jnp.int32),
-                   jnp.full(batch, temperature, jnp.float32), jnp.full(batch, top_k, jnp.int32),
-                   jnp.full(batch, top_p, jnp.float32))
+                   jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (batch,)), jnp.full(batch, top_k, jnp.int32),
+                   jnp.full(batch, top_p, jnp.float32), None if allowed is None else jnp.asarray(allowed))
 
 
 def test_greedy_picks_the_lowest_id_on_ties_and_reports_softmax_confidence():
@@ -53,6 +54,27 @@ def test_top_p_of_one_keeps_the_whole_distribution():
     rows = np.concatenate([logits, logits]).reshape(2, -1).astype(np.float32)
     filtered = np.asarray(_filter_top_k_top_p(jnp.asarray(rows), jnp.asarray([-1, 50]), jnp.asarray([1.0, 1.0])))
     assert np.isfinite(filtered[0]).all() and np.isfinite(filtered[1]).sum() == 50
+
+
+def test_a_greedy_row_gets_the_same_proposal_beside_a_sampled_row():
+    """Plain greedy batches take their own branch; a greedy row in a sampling batch must get the same bits."""
+    rng = np.random.default_rng(2)
+    logits = rng.normal(size=(1, 16, 1000)) * 4
+    alone_candidates, alone_confidence = run(logits, [5], 0.0)
+    mixed_candidates, mixed_confidence = run(np.concatenate([rng.normal(size=(1, 16, 1000)), logits]), [9, 5],
+                                             [1.0, 0.0])
+    assert np.array_equal(np.asarray(mixed_candidates[1]), np.asarray(alone_candidates[0]))
+    assert np.array_equal(np.asarray(mixed_confidence[1]), np.asarray(alone_confidence[0]))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_disallowed_tokens_are_never_proposed(temperature):
+    logits = np.tile(np.log([0.6, 0.3, 0.1]), (1, 300, 1))
+    allowed = np.array([False, True, True])
+    candidates, confidence = run(logits, [1], temperature, positions=np.arange(300)[None], allowed=allowed)
+    assert 0 not in set(np.asarray(candidates).ravel().tolist())
+    expected = np.where(np.asarray(candidates) == 1, 0.75, 0.25)  # the softmax over the allowed ids
+    assert np.allclose(confidence, expected, rtol=1e-6)
 
 
 @pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(temperature=-1), dict(top_k=0), dict(top_p=0.0),

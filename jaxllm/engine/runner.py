@@ -73,10 +73,10 @@ def prefill(graphdef, params, kv: KVCache, tokens, context_lens, chunk_lens, pag
     return kv
 
 
-def _suppress_unproposable(logits, spec: StepSpec):
-    vocab_ids = jnp.arange(logits.shape[-1])
-    allowed = (vocab_ids < spec.num_real_tokens) & (vocab_ids != spec.mask_token_id)
-    return jnp.where(allowed, logits, -jnp.inf)
+def _proposable_tokens(vocab_size: int, spec: StepSpec):
+    """bool[V]: the ids a step may propose (not the mask token, not padded vocab rows)."""
+    vocab_ids = jnp.arange(vocab_size)
+    return (vocab_ids < spec.num_real_tokens) & (vocab_ids != spec.mask_token_id)
 
 
 def denoise_round(graphdef, params, kv: KVCache, inputs: RoundInputs, *, spec: StepSpec):
@@ -92,11 +92,11 @@ def denoise_round(graphdef, params, kv: KVCache, inputs: RoundInputs, *, spec: S
                                spec.block_size, spec.attention_impl)
         hidden, kv = model(state.tokens, kv, md)
         with jax.named_scope("lm_head"):  # scopes name the parts in device profiles (tools/device_profile.py)
-            logits = _suppress_unproposable(model.logits(hidden), spec)
+            logits = model.logits(hidden)
         with jax.named_scope("sampler"):
             steps = jnp.repeat(state.block_steps, spec.block_size, axis=1)
             candidates, confidence = propose(logits, inputs.seeds, positions, steps, inputs.temperature,
-                                             inputs.top_k, inputs.top_p)
+                                             inputs.top_k, inputs.top_p, _proposable_tokens(logits.shape[-1], spec))
             state, complete = decoding.update(state, candidates, confidence, inputs.max_blocks, spec.decoding,
                                               block_size=spec.block_size, mask_token_id=spec.mask_token_id)
         return forwards + 1, state, kv, complete
