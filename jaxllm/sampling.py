@@ -63,8 +63,9 @@ def _greedy_proposals(logits):
 
 
 def _probability_of(logits, candidates):
-    """softmax(logits)[candidate] as 1 / sum(exp(logits - chosen)): no separate max pass, and exactly PyTorch's
-    softmax maximum for an argmax (exp(0) = 1). A candidate far below the maximum overflows the sum to inf: 0."""
+    """softmax(logits)[candidate] as 1 / sum(exp(logits - chosen)): no separate max pass, and for an argmax the
+    formula of PyTorch's softmax maximum (exp(0) = 1 over the sum). A candidate ~88 below the maximum overflows the
+    sum to inf: probability 0."""
     chosen = jnp.take_along_axis(logits, candidates[..., None], axis=-1)
     return 1.0 / jnp.sum(jnp.exp(logits - chosen), axis=-1)
 
@@ -81,12 +82,15 @@ def _sampled_proposals(logits, seeds, positions, steps, temperature, top_k, top_
         lambda s: _filter_top_k_top_p(s.reshape(-1, vocab), rows(top_k), rows(top_p)).reshape(s.shape),
         lambda s: s, scaled)
 
-    def one(seed, position, step, row):
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), position), step)
-        return jnp.argmax(row + jax.random.gumbel(key, (vocab,), jnp.float32))
+    def gumbel_argmax(s):
+        def one(seed, position, step, row):
+            key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), position), step)
+            return jnp.argmax(row + jax.random.gumbel(key, (vocab,), jnp.float32))
+        sampled = jax.vmap(jax.vmap(one, in_axes=(None, 0, 0, 0)))(seeds, positions, steps, s)
+        return jnp.where(greedy[:, None], jnp.argmax(s, axis=-1), sampled)
 
-    sampled = jax.vmap(jax.vmap(one, in_axes=(None, 0, 0, 0)))(seeds, positions, steps, scaled)
-    candidates = jnp.where(greedy[:, None], jnp.argmax(scaled, axis=-1), sampled)
+    # greedy rows with a top-k / top-p filter come here too: draw noise only when some row samples
+    candidates = jax.lax.cond(jnp.any(~greedy), gumbel_argmax, lambda s: jnp.argmax(s, axis=-1), scaled)
     return candidates, _probability_of(scaled, candidates)
 
 

@@ -56,13 +56,22 @@ def test_top_p_of_one_keeps_the_whole_distribution():
     assert np.isfinite(filtered[0]).all() and np.isfinite(filtered[1]).sum() == 50
 
 
-def test_a_greedy_row_gets_the_same_proposal_beside_a_sampled_row():
-    """Plain greedy batches take their own branch; a greedy row in a sampling batch must get the same bits."""
+@pytest.mark.parametrize("neighbour", [dict(temperature=1.0), dict(top_k=50), dict(top_p=0.9)])
+def test_a_greedy_row_gets_the_same_proposal_beside_a_sampling_or_filtering_row(neighbour):
+    """Plain greedy batches take their own branch; a greedy row in a batch that samples or filters must get the same
+    bits (a 32k vocabulary: there the float32 cumulative mass reaches 1 before the tail ends)."""
     rng = np.random.default_rng(2)
-    logits = rng.normal(size=(1, 16, 1000)) * 4
+    vocab = 32768
+    logits = rng.normal(size=(1, 8, vocab)) * 4
     alone_candidates, alone_confidence = run(logits, [5], 0.0)
-    mixed_candidates, mixed_confidence = run(np.concatenate([rng.normal(size=(1, 16, 1000)), logits]), [9, 5],
-                                             [1.0, 0.0])
+    settings = dict(temperature=[0.0, 0.0], top_k=[-1, -1], top_p=[1.0, 1.0])
+    for name, value in neighbour.items():
+        settings[name][0] = value
+    logits2 = np.concatenate([rng.normal(size=(1, 8, vocab)), logits])
+    mixed_candidates, mixed_confidence = propose(
+        jnp.asarray(logits2, jnp.float32), jnp.asarray([9, 5], jnp.uint32), jnp.zeros((2, 8), jnp.int32),
+        jnp.zeros((2, 8), jnp.int32), *(jnp.asarray(settings[key], dtype) for key, dtype in
+                                        (("temperature", jnp.float32), ("top_k", jnp.int32), ("top_p", jnp.float32))))
     assert np.array_equal(np.asarray(mixed_candidates[1]), np.asarray(alone_candidates[0]))
     assert np.array_equal(np.asarray(mixed_confidence[1]), np.asarray(alone_confidence[0]))
 
