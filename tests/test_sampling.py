@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.sampling import SamplingParams, _filter_top_k_top_p, propose
+from jaxllm.sampling import SamplingParams, _filter_threshold, _order_keys, propose
 
 
 def run(logits, seeds, temperature, top_k=-1, top_p=1.0, positions=None, allowed=None):
@@ -48,12 +48,38 @@ def test_a_seed_gives_the_same_draws_in_any_batch_slot():
     assert (np.asarray(other[0]) != np.asarray(alone[0])).any()
 
 
+def _kept(logits, top_k, top_p):
+    threshold = _filter_threshold(jnp.asarray(logits, jnp.float32), jnp.asarray(top_k), jnp.asarray(top_p))
+    return np.asarray(_order_keys(jnp.asarray(logits, jnp.float32)) >= threshold[:, None])
+
+
+def _kept_by_sorting(row, top_k, top_p):
+    """The filters' definition, by sorting in float64."""
+    order = np.sort(row)[::-1]
+    kth = order[min(top_k, len(row)) - 1] if top_k > 0 else -np.inf
+    probs = np.exp(order - order.max()) / np.exp(order - order.max()).sum()
+    mass_before = np.cumsum(probs) - probs
+    pth = order[np.sum(mass_before < top_p) - 1] if top_p < 1.0 else -np.inf
+    return row >= max(kth, pth)
+
+
+def test_filters_keep_what_sorting_keeps():
+    rng = np.random.default_rng(6)
+    ties = rng.integers(-4, 4, size=(4, 300)).astype(np.float32)  # many equal logits at every k
+    ties[:, :10] = -np.inf  # masked ids
+    spread = (rng.normal(size=(4, 300)) * 3).astype(np.float32)
+    for rows, top_k, top_p in ((ties, [1, 7, 50, -1], [1.0] * 4), (spread, [-1] * 4, [0.01, 0.5, 0.9, 0.999]),
+                               (spread, [3, 40, -1, 300], [0.9, 0.3, 1.0, 0.6])):
+        kept = _kept(rows, top_k, top_p)
+        for row, row_kept, k, p in zip(rows, kept, top_k, top_p):
+            np.testing.assert_array_equal(row_kept, _kept_by_sorting(row, k, p), err_msg=f"top_k={k} top_p={p}")
+
+
 def test_top_p_of_one_keeps_the_whole_distribution():
     """A row with top_p = 1 beside a row that filters keeps its tail: float32's cumulative mass reaches 1 early."""
-    logits = np.random.default_rng(4).normal(size=(1, 1, 32768)) * 4
-    rows = np.concatenate([logits, logits]).reshape(2, -1).astype(np.float32)
-    filtered = np.asarray(_filter_top_k_top_p(jnp.asarray(rows), jnp.asarray([-1, 50]), jnp.asarray([1.0, 1.0])))
-    assert np.isfinite(filtered[0]).all() and np.isfinite(filtered[1]).sum() == 50
+    logits = np.random.default_rng(4).normal(size=(2, 32768)) * 4
+    kept = _kept(logits, [-1, 50], [1.0, 1.0])
+    assert kept[0].all() and kept[1].sum() == 50
 
 
 @pytest.mark.parametrize("neighbour", [dict(temperature=1.0), dict(top_k=50), dict(top_p=0.9)])
