@@ -1,8 +1,10 @@
 """The on-device proposal: filters, greedy ties, and per-request seeded draws."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AbstractDevice, AbstractMesh
 
 from jaxllm.sampling import SamplingParams, _filter_threshold, _order_keys, propose
 
@@ -110,6 +112,21 @@ def test_disallowed_tokens_are_never_proposed(temperature):
     assert 0 not in set(np.asarray(candidates).ravel().tolist())
     expected = np.where(np.asarray(candidates) == 1, 0.75, 0.25)  # the softmax over the allowed ids
     assert np.allclose(confidence, expected, rtol=1e-6)
+
+
+def test_propose_lowers_for_the_gpu_without_a_sort():
+    """XLA:GPU sorts a 157k vocabulary with a library call that cannot join the CUDA graph of the denoising loop's
+    body; a sort anywhere in propose splits that graph and costs the host a round trip every forward."""
+    mesh = AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu",
+                                                               num_cores=132))
+    batch, window, vocab = 2, 32, 157184
+    shapes = [((batch, window, vocab), jnp.float32), ((batch,), jnp.uint32), ((batch, window), jnp.int32),
+              ((batch, window), jnp.int32), ((batch,), jnp.float32), ((batch,), jnp.int32), ((batch,), jnp.float32),
+              ((vocab,), jnp.bool_)]
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = jax.jit(propose).trace(*(jax.ShapeDtypeStruct(*s) for s in shapes)).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert "stablehlo.sort" not in text and "custom_call" not in text
 
 
 @pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(temperature=-1), dict(top_k=0), dict(top_p=0.0),
