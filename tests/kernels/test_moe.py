@@ -204,8 +204,9 @@ def test_pallas_matches_reference(name):
     np.testing.assert_allclose(out, ref, rtol=rtol, atol=atol * np.sqrt(np.mean(ref**2)))
 
 
+@pytest.mark.parametrize("method", ["compare", "sort"])
 @pytest.mark.parametrize("pattern", ["random", "subset", "one_expert", "tile_plus_one"])
-def test_grouping_visits_only_filled_tiles(pattern):
+def test_grouping_visits_only_filled_tiles(pattern, method):
     rng = np.random.default_rng(3)
     num_experts, block_m = 16, 16
     if pattern == "tile_plus_one":  # the worst case for padding: every expert holds block_m + 1 rows
@@ -213,7 +214,7 @@ def test_grouping_visits_only_filled_tiles(pattern):
         ids = ids.reshape(-1, 1)
     else:
         ids = _routing(rng, 45, 2 if pattern == "subset" else 3, num_experts, pattern)
-    groups = jax.tree.map(np.asarray, _group_by_expert(jnp.asarray(ids, jnp.int32), num_experts, block_m))
+    groups = jax.tree.map(np.asarray, _group_by_expert(jnp.asarray(ids, jnp.int32), num_experts, block_m, method))
 
     sizes = np.bincount(ids.ravel(), minlength=num_experts)
     filled_tiles = int(np.sum(-(-sizes // block_m)))
@@ -227,6 +228,18 @@ def test_grouping_visits_only_filled_tiles(pattern):
     assert len(np.unique(rows)) == ids.size
     np.testing.assert_array_equal(groups.tile_expert[rows // block_m], ids.ravel())
     np.testing.assert_array_equal(groups.row_token[rows], np.arange(ids.size) // ids.shape[1])
+
+
+@pytest.mark.parametrize("num_tokens, top_k, num_experts, block_m, pattern", [
+    (32, 8, 256, 16, "random"), (256, 8, 256, 16, "random"), (7, 3, 5, 16, "random"), (40, 2, 8, 64, "random"),
+    (45, 3, 16, 16, "subset"), (40, 4, 8, 16, "one_expert")])
+def test_grouping_by_comparison_equals_grouping_by_sorting(num_tokens, top_k, num_experts, block_m, pattern):
+    """The engine's batch sizes (32 and 256 tokens at LLaDA2's top-8 of 256), odd shapes, empty experts, one expert
+    for everything: identical groups."""
+    ids = jnp.asarray(_routing(np.random.default_rng(num_tokens), num_tokens, top_k, num_experts, pattern))
+    by_comparison, by_sorting = (_group_by_expert(ids, num_experts, block_m, method) for method in ("compare", "sort"))
+    for compared, sorted_ in zip(by_comparison, by_sorting):
+        np.testing.assert_array_equal(np.asarray(compared), np.asarray(sorted_))
 
 
 def test_rejects_bad_shapes_and_fp8_activations_without_fp8_weights():
