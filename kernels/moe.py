@@ -321,7 +321,6 @@ def _group_by_expert(expert_ids, num_experts, block_m, method="auto"):
     flat_expert = expert_ids.reshape(-1).astype(jnp.int32)  # [A]
     assignment = jnp.arange(num_assignments)
     group_sizes = jnp.sum(flat_expert[:, None] == jnp.arange(num_experts), axis=0, dtype=jnp.int32)  # [E]
-    group_starts = jnp.cumsum(group_sizes) - group_sizes
     padded_sizes = (group_sizes + block_m - 1) // block_m * block_m
     padded_ends = jnp.cumsum(padded_sizes)  # [E]
     padded_starts = padded_ends - padded_sizes
@@ -339,6 +338,7 @@ def _group_by_expert(expert_ids, num_experts, block_m, method="auto"):
         holds = assignment_row[None, :] == row[:, None]  # [R*bm, A]: at most one True per row
         row_token = jnp.sum(jnp.where(holds, assignment[None, :] // top_k, 0), axis=1, dtype=jnp.int32)
     elif method == "sort":
+        group_starts = jnp.cumsum(group_sizes) - group_sizes
         order = jnp.argsort(flat_expert, stable=True)  # [A] assignment ids, grouped by expert
         sorted_expert = flat_expert[order]
         rank_in_group = assignment - group_starts[sorted_expert]
