@@ -296,8 +296,17 @@ class ExpertGroups(NamedTuple):
     assignment_row: jax.Array  # i32[T, C]  padded row that holds assignment (t, c)
 
 
-def _group_by_expert(expert_ids, num_experts, block_m):
-    """Sort the assignments by expert into per-expert groups padded to whole row tiles.
+# Up to this many assignments (batch 8 of 32-token windows at top-8) the groups come from pairwise comparisons, whose
+# work grows as A^2 but runs as a few wide elementwise-and-reduce kernels; beyond it from two sorts.
+_COMPARE_MAX_ASSIGNMENTS = 2048
+
+
+def _group_by_expert(expert_ids, num_experts, block_m, method="auto"):
+    """Order the assignments by expert into per-expert groups padded to whole row tiles.
+
+    method: "compare" (an assignment's row is its group's padded start plus the number of earlier assignments to the
+    same expert; a row's token is found by comparing the row against every assignment's row), "sort" (an argsort
+    by expert and its inverse), or "auto" (compare up to _COMPARE_MAX_ASSIGNMENTS). Both give identical groups.
 
     Written without scatters: a scatter updates its operand in place, and inside the engine's denoising while-loop
     XLA hoists a constant operand (the zeros it starts from) out of the loop and copies it back every iteration
@@ -306,31 +315,46 @@ def _group_by_expert(expert_ids, num_experts, block_m):
     """
     num_tokens, top_k = expert_ids.shape
     num_assignments = num_tokens * top_k
+    if method == "auto":
+        method = "compare" if num_assignments <= _COMPARE_MAX_ASSIGNMENTS else "sort"
     num_row_tiles = _num_row_tiles(num_assignments, num_experts, block_m)
     flat_expert = expert_ids.reshape(-1).astype(jnp.int32)  # [A]
-    order = jnp.argsort(flat_expert, stable=True)  # [A] assignment ids, grouped by expert
-    sorted_expert = flat_expert[order]
+    assignment = jnp.arange(num_assignments)
     group_sizes = jnp.sum(flat_expert[:, None] == jnp.arange(num_experts), axis=0, dtype=jnp.int32)  # [E]
-    group_starts = jnp.cumsum(group_sizes) - group_sizes
     padded_sizes = (group_sizes + block_m - 1) // block_m * block_m
     padded_ends = jnp.cumsum(padded_sizes)  # [E]
     padded_starts = padded_ends - padded_sizes
-    rank_in_group = jnp.arange(num_assignments) - group_starts[sorted_expert]
-    sorted_row = padded_starts[sorted_expert] + rank_in_group  # [A]
-    _, assignment_row = lax.sort((order, sorted_row), num_keys=1)  # back to assignment order: the inverse permutation
 
     tile_start = jnp.arange(num_row_tiles) * block_m  # [R]
     # the expert owning a tile is the number of groups (empty ones included) that end at or before its first row
     tile_expert = jnp.sum(padded_ends[None, :] <= tile_start[:, None], axis=1, dtype=jnp.int32)
     tile_expert = jnp.where(tile_start < padded_ends[-1], tile_expert, -1)
-    # row p of expert e's group holds the group's (p - padded_start_e)-th assignment in sorted order
-    row_expert = jnp.repeat(tile_expert, block_m)  # [R*bm]
-    safe_expert = jnp.maximum(row_expert, 0)
-    row_rank = jnp.arange(num_row_tiles * block_m) - padded_starts[safe_expert]
-    filled = (row_expert >= 0) & (row_rank < group_sizes[safe_expert])
-    sorted_position = jnp.minimum(group_starts[safe_expert] + row_rank, num_assignments - 1)
-    row_token = jnp.where(filled, order[sorted_position] // top_k, 0)
-    return lax.optimization_barrier(ExpertGroups(row_token, tile_expert, assignment_row.reshape(num_tokens, top_k)))
+    row = jnp.arange(num_row_tiles * block_m)  # [R*bm]
+
+    if method == "compare":
+        earlier_same = (flat_expert[None, :] == flat_expert[:, None]) & (assignment[None, :] < assignment[:, None])
+        rank_in_group = jnp.sum(earlier_same, axis=1, dtype=jnp.int32)  # [A]
+        assignment_row = padded_starts[flat_expert] + rank_in_group
+        holds = assignment_row[None, :] == row[:, None]  # [R*bm, A]: at most one True per row
+        row_token = jnp.sum(jnp.where(holds, assignment[None, :] // top_k, 0), axis=1, dtype=jnp.int32)
+    elif method == "sort":
+        group_starts = jnp.cumsum(group_sizes) - group_sizes
+        order = jnp.argsort(flat_expert, stable=True)  # [A] assignment ids, grouped by expert
+        sorted_expert = flat_expert[order]
+        rank_in_group = assignment - group_starts[sorted_expert]
+        sorted_row = padded_starts[sorted_expert] + rank_in_group  # [A]
+        _, assignment_row = lax.sort((order, sorted_row), num_keys=1)  # back to assignment order: the inverse
+        # row p of expert e's group holds the group's (p - padded_start_e)-th assignment in sorted order
+        row_expert = jnp.repeat(tile_expert, block_m)  # [R*bm]
+        safe_expert = jnp.maximum(row_expert, 0)
+        row_rank = row - padded_starts[safe_expert]
+        filled = (row_expert >= 0) & (row_rank < group_sizes[safe_expert])
+        sorted_position = jnp.minimum(group_starts[safe_expert] + row_rank, num_assignments - 1)
+        row_token = jnp.where(filled, order[sorted_position] // top_k, 0)
+    else:
+        raise ValueError(f"unknown grouping method {method!r}; use 'auto', 'compare' or 'sort'")
+    return lax.optimization_barrier(ExpertGroups(row_token.astype(jnp.int32), tile_expert,
+                                                 assignment_row.reshape(num_tokens, top_k).astype(jnp.int32)))
 
 
 # e4m3 weight tiles are up-cast to bf16 by bit arithmetic, 4 values per PTX instance (one 32-bit register in, two
