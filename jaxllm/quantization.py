@@ -84,18 +84,3 @@ def dequantize(weight, dtype=jnp.float32):
 def quantize_rows(a):
     """[R, D] activations -> (float8_e4m3fn [R, D], f32[R] scales), one scale per row (per token)."""
     return _quantize_along(a, 1, "fp8")
-
-
-def matmul(x, w):
-    """x[..., K] @ w[K, N] for a plain or quantized weight; float32 accumulation, result in x's dtype.
-
-    A quantized weight is up-cast to x's dtype (exact for int8 and e4m3 into bf16 or f32) and scaled after the
-    reduction; the up-cast is elementwise on the operand, so XLA may fuse it into the GEMM's operand load.
-    """
-    if isinstance(w, QuantizedWeight):
-        if w.ndim != 2:
-            raise ValueError(f"matmul takes a [K, N] weight, got a quantized weight of shape {w.shape}")
-        out = jnp.dot(x, w.kn_values().astype(x.dtype), preferred_element_type=jnp.float32) * w.scales
-    else:
-        out = jnp.dot(x, w, preferred_element_type=jnp.float32)
-    return out.astype(x.dtype)
