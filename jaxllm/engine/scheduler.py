@@ -115,13 +115,23 @@ class Scheduler:
         batch = PrefillBatch([], [])
         budget = self.cfg.max_num_batched_tokens
         for request in requests:
+            if request.status is not RequestStatus.PREFILLING:
+                continue  # preempted below while making room for an earlier request
             longest = self.cfg.max_chunk(len(batch.requests) + 1)
             if max(batch.chunk_lens, default=0) > longest:
                 break
             remaining = request.prefill_target(self.cfg.block_size) - request.context_len
             chunk = min(remaining, budget, longest) // self.cfg.block_size * self.cfg.block_size
-            if chunk == 0 or not self._ensure_pages(request, request.context_len + chunk):
+            if chunk == 0:
                 break
+            while not self._ensure_pages(request, request.context_len + chunk):
+                # Pages come back when this batch runs or a decoding request finishes. If neither can happen
+                # (every running request prefilling, their pages taken at admission, e.g. by prefix-cache hits),
+                # they would wait on each other forever: the newest gives its pages up and recomputes later.
+                decoding = any(r.status is RequestStatus.DECODING for r in self.running)
+                if batch.requests or decoding or self.running[-1] is request:
+                    return batch
+                self.preempt(self.running[-1])
             batch.requests.append(request)
             batch.chunk_lens.append(chunk)
             budget -= chunk

@@ -136,6 +136,33 @@ def test_preemption_frees_the_newest_request_and_requeues_it_first():
     assert new.prefill_target(4) == 8  # recomputed from prompt + committed output, block-aligned
 
 
+def test_prefilling_requests_never_wait_on_each_other_for_pages():
+    """Both running requests prefilling, neither able to take its next chunk's pages (a prefix-cache hit took ten
+    at admission): the newest gives its pages up, both finish, every page comes back."""
+    scheduler = make_scheduler(num_pages=16, max_tokens_per_step=16)
+    shared = list(range(100, 140))  # ten full pages, cached by the first request
+    first = request("first", shared, max_tokens=4)
+    scheduler.add(first)
+    complete_front_block(scheduler, finish_prefill(scheduler), {"first": [5, 6, 7, 8]})
+    assert first.finish_reason == "length"
+    fresh, hit = request("fresh", list(range(200, 240)), max_tokens=8), request("hit", shared + [7, 8, 9, 10],
+                                                                                  max_tokens=4)
+    scheduler.add(fresh)
+    scheduler.add(hit)
+    for _ in range(20):
+        batch = scheduler.schedule()
+        assert batch is not None, [(r.request_id, r.status, r.context_len) for r in scheduler.running]
+        if isinstance(batch, PrefillBatch):
+            scheduler.postprocess_prefill(batch)
+        else:
+            complete_front_block(scheduler, batch, {r.request_id: [5, 6, 7, 8] for r in batch.requests})
+        if not scheduler.has_unfinished():
+            break
+    assert fresh.finish_reason == hit.finish_reason == "length" and hit.stats.num_preemptions == 1
+    assert fresh.output_token_ids == [5, 6, 7, 8] * 2 and hit.output_token_ids == [5, 6, 7, 8]
+    assert scheduler.pages.num_used_pages == 0
+
+
 def test_max_num_seqs_bounds_admission():
     scheduler = make_scheduler(max_num_seqs=2)
     for name in "abc":
