@@ -59,29 +59,16 @@ def _largest_key(holds, num_rows):
     return answer
 
 
-# Rows (batch x window) up to which the filters' thresholds are searched for rather than sorted for. On the H200
-# (BENCHMARKS, engine run 9) the search took 1.02 / 1.42 / 2.10 / 5.93 ms at 32 / 64 / 96 / 256 rows of a 157k
-# vocabulary, the sort (a library call) 1.43 / 1.48 / 1.71 / 3.47 ms. Up to here the search also keeps the loop body
-# free of library calls, so each forward stays one CUDA graph; beyond, the filtering batches' sort is faster.
-_SEARCH_MAX_ROWS = 64
-
-
 def _filter_threshold(logits, top_k, top_p):
     """Key (see _order_keys) of each row's smallest kept logit under its top-k and top-p filters; 0 keeps all.
 
     logits f32[N, V], top_k i32[N] (-1 off), top_p f32[N] (1 off). Top-k keeps the logits >= the k-th largest
     (ties included); top-p keeps the smallest set of largest logits whose probability reaches top_p (ties at its
-    edge included). XLA:GPU runs a sort as a library call, which cannot go into the CUDA graph of the denoising
-    loop's body: a branch holding one splits that graph and costs the host a round trip every forward. So few rows
-    search for the thresholds 4 bits at a time; many rows sort, which is then the faster of the two.
+    edge included). Both are thresholds found 4 bits at a time (8 steps of one count or mass reduction each)
+    rather than by sorting the vocabulary: XLA:GPU runs a sort as a library call, which cannot go into the CUDA
+    graph of the denoising loop's body, and a branch holding one splits that graph and costs the host a
+    round trip every forward.
     """
-    if logits.shape[0] <= _SEARCH_MAX_ROWS:
-        return _threshold_by_search(logits, top_k, top_p)
-    return _threshold_by_sort(logits, top_k, top_p)
-
-
-def _threshold_by_search(logits, top_k, top_p):
-    """8 steps of one count and one mass reduction each (15 candidates per step)."""
     num_rows, vocab = logits.shape
     keys = _order_keys(logits)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
@@ -91,18 +78,6 @@ def _threshold_by_search(logits, top_k, top_p):
                                          axis=1) >= top_p[:, None], num_rows)
     # top_p = 1 is off: float32 rounding of the mass must not cut the tail
     return jnp.maximum(kth, jnp.where(top_p < 1.0, pth, jnp.uint32(0)))
-
-
-def _threshold_by_sort(logits, top_k, top_p):
-    vocab = logits.shape[-1]
-    sorted_desc = -jnp.sort(-logits, axis=-1)
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)[:, 0]
-    probs = jax.nn.softmax(sorted_desc, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs  # probability above each sorted entry
-    nucleus_size = jnp.sum(mass_before < top_p[:, None], axis=-1)  # the smallest prefix whose mass reaches top_p
-    pth = jnp.take_along_axis(sorted_desc, (nucleus_size - 1)[:, None], axis=-1)[:, 0]
-    return jnp.maximum(_order_keys(kth), jnp.where(top_p < 1.0, _order_keys(pth), jnp.uint32(0)))
 
 
 def _greedy_proposals(logits):

@@ -6,14 +6,7 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
-from jaxllm.sampling import (
-    _SEARCH_MAX_ROWS,
-    SamplingParams,
-    _order_keys,
-    _threshold_by_search,
-    _threshold_by_sort,
-    propose,
-)
+from jaxllm.sampling import SamplingParams, _filter_threshold, _order_keys, propose
 
 
 def run(logits, seeds, temperature, top_k=-1, top_p=1.0, positions=None, allowed=None):
@@ -57,8 +50,8 @@ def test_a_seed_gives_the_same_draws_in_any_batch_slot():
     assert (np.asarray(other[0]) != np.asarray(alone[0])).any()
 
 
-def _kept(threshold_of, logits, top_k, top_p):
-    threshold = threshold_of(jnp.asarray(logits, jnp.float32), jnp.asarray(top_k), jnp.asarray(top_p))
+def _kept(logits, top_k, top_p):
+    threshold = _filter_threshold(jnp.asarray(logits, jnp.float32), jnp.asarray(top_k), jnp.asarray(top_p))
     return np.asarray(_order_keys(jnp.asarray(logits, jnp.float32)) >= threshold[:, None])
 
 
@@ -72,25 +65,47 @@ def _kept_by_sorting(row, top_k, top_p):
     return row >= max(kth, pth)
 
 
-@pytest.mark.parametrize("threshold_of", [_threshold_by_search, _threshold_by_sort])
-def test_filters_keep_what_sorting_keeps(threshold_of):
+def test_filters_keep_what_sorting_keeps():
     rng = np.random.default_rng(6)
     ties = rng.integers(-4, 4, size=(4, 300)).astype(np.float32)  # many equal logits at every k
     ties[:, :10] = -np.inf  # masked ids
     spread = (rng.normal(size=(4, 300)) * 3).astype(np.float32)
     for rows, top_k, top_p in ((ties, [1, 7, 50, -1], [1.0] * 4), (spread, [-1] * 4, [0.01, 0.5, 0.9, 0.999]),
                                (spread, [3, 40, -1, 300], [0.9, 0.3, 1.0, 0.6])):
-        kept = _kept(threshold_of, rows, top_k, top_p)
+        kept = _kept(rows, top_k, top_p)
         for row, row_kept, k, p in zip(rows, kept, top_k, top_p):
             np.testing.assert_array_equal(row_kept, _kept_by_sorting(row, k, p), err_msg=f"top_k={k} top_p={p}")
 
 
-@pytest.mark.parametrize("threshold_of", [_threshold_by_search, _threshold_by_sort])
-def test_top_p_of_one_keeps_the_whole_distribution(threshold_of):
+def test_top_p_of_one_keeps_the_whole_distribution():
     """A row with top_p = 1 beside a row that filters keeps its tail: float32's cumulative mass reaches 1 early."""
     logits = np.random.default_rng(4).normal(size=(2, 32768)) * 4
-    kept = _kept(threshold_of, logits, [-1, 50], [1.0, 1.0])
+    kept = _kept(logits, [-1, 50], [1.0, 1.0])
     assert kept[0].all() and kept[1].sum() == 50
+
+
+def test_a_filtering_request_gets_the_same_proposals_in_any_batch():
+    """Each request's top_p equals the float32 mass of a prefix of its first row, the edge where two ways of
+    summing disagree: its proposals and their confidences (the nucleus is their denominator) must not depend on how
+    many rows the batch holds (a choice of filter method by batch size broke this)."""
+    rng = np.random.default_rng(8)
+    batch, window, vocab = 8, 32, 4096
+    logits = (rng.normal(size=(batch, window, vocab)) * 3).astype(np.float32)
+    first_rows = np.sort(logits[:, 0].astype(np.float64), axis=-1)[:, ::-1]
+    mass = np.cumsum(np.exp(first_rows) / np.exp(first_rows).sum(-1, keepdims=True), axis=-1)
+    top_p = mass[np.arange(batch), rng.integers(1, 200, batch)].astype(np.float32)
+    positions = np.tile(np.arange(window, dtype=np.int32), (batch, 1))
+
+    def proposals(rows):
+        return propose(jnp.asarray(logits[rows]), jnp.asarray(rows, jnp.uint32), jnp.asarray(positions[rows]),
+                       jnp.zeros((len(rows), window), jnp.int32), jnp.ones(len(rows)), jnp.full(len(rows), -1),
+                       jnp.asarray(top_p[rows]))
+
+    together = proposals(list(range(batch)))
+    for b in range(batch):
+        alone = proposals([b])
+        for both, one in zip(together, alone):
+            np.testing.assert_array_equal(np.asarray(both[b]), np.asarray(one[0]), err_msg=f"request {b}")
 
 
 @pytest.mark.parametrize("neighbour", [dict(temperature=1.0), dict(top_k=50), dict(top_p=0.9)])
@@ -123,24 +138,19 @@ def test_disallowed_tokens_are_never_proposed(temperature):
     assert np.allclose(confidence, expected, rtol=1e-6)
 
 
-@pytest.mark.parametrize("batch", [1, 2, 8])
-def test_propose_lowers_for_the_gpu_without_a_sort_up_to_the_search_limit(batch):
+def test_propose_lowers_for_the_gpu_without_a_sort():
     """XLA:GPU sorts a 157k vocabulary with a library call that cannot join the CUDA graph of the denoising loop's
-    body; a sort anywhere in propose splits that graph and costs the host a round trip every forward. Up to
-    _SEARCH_MAX_ROWS rows the filters search instead; beyond, the sort is the faster filter and stays."""
+    body; a sort anywhere in propose splits that graph and costs the host a round trip every forward."""
     mesh = AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu",
                                                                num_cores=132))
-    window, vocab = 32, 157184
+    batch, window, vocab = 2, 32, 157184
     shapes = [((batch, window, vocab), jnp.float32), ((batch,), jnp.uint32), ((batch, window), jnp.int32),
               ((batch, window), jnp.int32), ((batch,), jnp.float32), ((batch,), jnp.int32), ((batch,), jnp.float32),
               ((vocab,), jnp.bool_)]
     with jax.sharding.use_abstract_mesh(mesh):
         text = jax.jit(propose).trace(*(jax.ShapeDtypeStruct(*s) for s in shapes)).lower(
             lowering_platforms=("cuda",)).as_text()
-    if batch * window <= _SEARCH_MAX_ROWS:
-        assert "stablehlo.sort" not in text and "custom_call" not in text
-    else:
-        assert "stablehlo.sort" in text
+    assert "stablehlo.sort" not in text and "custom_call" not in text
 
 
 @pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(temperature=-1), dict(top_k=0), dict(top_p=0.0),
