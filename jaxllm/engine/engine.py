@@ -222,8 +222,9 @@ class LLMEngine:
                 f"{params.max_tokens} output tokens and your prompt contains at least {prompt_len} input tokens, "
                 f"for a total of at least {prompt_len + params.max_tokens} tokens. Please reduce the length of the "
                 f"input prompt or the number of requested output tokens.")
-        window = self.decoding.buffer_size * self.block_size
-        if -(-(prompt_len + params.max_tokens + window) // self.page_size) > self.scheduler.pages.num_pages:
+        # the window never opens past the last output token's block, so this is all a request alone ever holds
+        last_block_end = -(-(prompt_len + params.max_tokens) // self.block_size) * self.block_size
+        if -(-last_block_end // self.page_size) > self.scheduler.pages.num_pages:
             raise ValueError(f"the request needs more KV pages than the pool holds ({self.scheduler.pages.num_pages})")
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,

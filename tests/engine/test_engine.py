@@ -156,6 +156,13 @@ def test_max_tokens_ends_with_length(llm):
     assert output.stats["forward_passes"] > 0 and output.stats["tokens_per_forward"] > 0
 
 
+def test_a_request_filling_the_whole_pool_runs(llm):
+    """8 prompt + 56 output tokens fill the 16 pages of 4 exactly: accepted and run to the end, pages returned."""
+    out = llm.generate([[5] * 8], SamplingParams(max_tokens=56, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 56
+    assert llm.engine.kv_cache_usage == 0.0
+
+
 def test_a_prompt_over_the_context_is_rejected_with_the_openai_message(llm):
     with pytest.raises(ValueError, match="This model's maximum context length is 64 tokens"):
         llm.generate([[5] * 60], SamplingParams(max_tokens=8))
