@@ -207,6 +207,10 @@ class LLMEngine:
         with self._tokenizer_lock:
             return self.tokenizer.encode(prompt, add_special_tokens=False)
 
+    def _text_of(self, token_ids: list[int]) -> str:
+        with self._tokenizer_lock:
+            return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         with self._tokenizer_lock:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -296,25 +300,40 @@ class LLMEngine:
             if request.request_id not in committed and not request.is_finished:
                 continue
             request.stats.first_block_time = request.stats.first_block_time or time.perf_counter()
-            new_text = self._detokenize(request)
-            outputs.append(self._output(request, committed.get(request.request_id, []), new_text))
+            new_token_ids = committed.get(request.request_id, [])
+            num_token_ids = len(request.output_token_ids)
+            new_text = self._detokenize(request)  # a stop string drops the ids after it
+            new_token_ids = new_token_ids[:len(new_token_ids) - (num_token_ids - len(request.output_token_ids))]
+            outputs.append(self._output(request, new_token_ids, new_text))
         return outputs
 
     def _detokenize(self, request: Request) -> str:
         """Newly committed text, trimmed at a stop string. While the request runs, an incomplete UTF-8 character
-        and the last len(longest stop) - 1 characters are held back: a stop string may still complete there."""
-        with self._tokenizer_lock:
-            text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+        and the last len(longest stop) - 1 characters are held back: a stop string may still complete there.
+
+        A block commits many tokens at once: at a stop string the ids after the one that completes it are dropped
+        too, so token_ids and usage count what the text shows (the stop string's own tokens included)."""
         stops = request.params.stop
+        text = self._text_of(request.output_token_ids)
         cuts = [cut for cut in (text.find(stop) for stop in stops) if cut != -1]
         if cuts:
             text = text[:min(cuts)]
+            # the shortest prefix of the ids whose text holds a stop string: bisect (containment grows with length)
+            shortest, longest = 1, len(request.output_token_ids)
+            while shortest < longest:
+                middle = (shortest + longest) // 2
+                prefix = self._text_of(request.output_token_ids[:middle])
+                if any(stop in prefix for stop in stops):
+                    longest = middle
+                else:
+                    shortest = middle + 1
+            del request.output_token_ids[longest:]
             if not request.is_finished:
                 self.scheduler.finish(request, "stop")
             request.finish_reason = "stop"
         if not request.is_finished:
             text = text.rstrip("\ufffd")
-            text = text[:len(text) - (max(map(len, stops), default=1) - 1)]
+            text = text[:max(0, len(text) - (max(map(len, stops), default=1) - 1))]
         new_text = text[len(request.text):]
         request.text = text if len(text) > len(request.text) else request.text
         return new_text

@@ -141,6 +141,27 @@ def test_stop_string_trims_the_text(llm):
     stopped = llm.generate([PROMPTS[2]], SamplingParams(max_tokens=16, ignore_eos=True, stop=[stop]))[0]
     assert stopped.finish_reason == "stop"
     assert stopped.text == full.text[:full.text.index(stop)]
+    # the ids end with the token that completes the stop string, not with the rest of its block
+    text_of = llm.engine._text_of
+    assert stop in text_of(stopped.token_ids) and stop not in text_of(stopped.token_ids[:-1])
+    assert stopped.token_ids == full.token_ids[:len(stopped.token_ids)] and len(stopped.token_ids) < 16
+
+
+def test_text_that_may_begin_a_stop_string_is_held_back(llm):
+    """A stop string longer than the first block's text, completed by the second block: nothing of it streams."""
+    first_block = llm.generate([PROMPTS[2]], SamplingParams(max_tokens=4, ignore_eos=True))[0].text
+    full = llm.generate([PROMPTS[2]], SamplingParams(max_tokens=16, ignore_eos=True))[0].text
+    stop = full[:len(first_block) + 2]
+    assert full.startswith(first_block) and len(stop) == len(first_block) + 2
+    engine = llm.engine
+    request_id = engine.add_request(PROMPTS[2], SamplingParams(max_tokens=16, ignore_eos=True, stop=[stop]))
+    streamed, final = "", None
+    while final is None:
+        for output in engine.step():
+            if output.request_id == request_id:
+                streamed += output.new_text
+                final = output if output.finished else None
+    assert final.finish_reason == "stop" and final.text == streamed == ""
 
 
 def test_a_stop_token_ends_the_output_after_it(llm):
