@@ -85,7 +85,7 @@ def update(state: WindowState, candidates, confidence, max_blocks, cfg: Decoding
     cand, conf = _per_block(candidates, block_size), _per_block(confidence, block_size)
     num_blocks = tokens.shape[1]
     active = jnp.arange(num_blocks)[None, :] < state.num_active_blocks[:, None]  # [B, N]
-    is_mask = tokens == mask_token_id
+    is_mask = (tokens == mask_token_id) & ~fixed  # a prompt may hold the mask id itself: it stays as given
     eligible = is_mask & active[..., None]
     masks_in = is_mask.sum(axis=-1)
     block_masks = jnp.where(state.block_steps == 0, masks_in, state.block_masks)
@@ -113,7 +113,7 @@ def update(state: WindowState, candidates, confidence, max_blocks, cfg: Decoding
     num_active = state.num_active_blocks
     if cfg.add_block_threshold is not None:
         last = jnp.maximum(num_active - 1, 0)
-        progress = _progress(new_tokens == mask_token_id, fixed)
+        progress = _progress((new_tokens == mask_token_id) & ~fixed, fixed)
         last_progress = jnp.take_along_axis(progress, last[:, None], axis=1)[:, 0]
         num_active = num_active + ((num_active > 0) & (num_active < max_blocks)
                                    & (last_progress >= cfg.add_block_threshold))

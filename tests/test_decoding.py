@@ -53,6 +53,18 @@ def test_prompt_positions_and_filled_tokens_are_never_rewritten():
     assert tokens_of(new) == [40, 41, 7, 9]
 
 
+@pytest.mark.parametrize("cfg", [DecodingConfig("threshold", threshold=0.5),
+                                 DecodingConfig("fixed_steps", denoising_steps=2), DecodingConfig("joint_threshold")])
+def test_a_mask_id_in_the_prompt_is_never_written_and_does_not_hold_the_block_open(cfg):
+    """The user's prompt may hold the mask id (token-id prompts, or text the tokenizer reads as the mask token)."""
+    state = window([7, M, M, M], fixed=[True, True, False, False])
+    for _ in range(BLOCK + 2):
+        state, complete = step(state, [5, 6, 8, 9], [1.0] * 4, cfg)
+        if complete[0]:
+            break
+    assert tokens_of(state) == [7, M, 8, 9] and complete[0]
+
+
 def test_a_block_completes_only_after_a_step_whose_input_had_no_masks():
     cfg = DecodingConfig("threshold", threshold=0.5)
     new, complete = step(window([3, M, 4, 5]), [3, 6, 4, 5], [0.9] * 4, cfg)
