@@ -276,9 +276,6 @@ class LLMEngine:
         if batch is None:
             return outputs
         self.num_steps += 1
-        now = time.perf_counter()
-        for request in batch.requests:
-            request.stats.first_scheduled_time = request.stats.first_scheduled_time or now
         if isinstance(batch, PrefillBatch):
             self.runner.run_prefill(batch)
             self.scheduler.postprocess_prefill(batch)

@@ -106,7 +106,9 @@ class Scheduler:
                 hashes = page_hashes(request.all_token_ids, self.cfg.page_size, target // self.cfg.page_size)
                 request.page_ids = self.pages.match_prefix(hashes)
             request.context_len = len(request.page_ids) * self.cfg.page_size
-            request.stats.num_cached_tokens += request.context_len
+            if request.stats.first_scheduled_time is None:  # a recompute after preemption re-matches its own pages
+                request.stats.first_scheduled_time = time.perf_counter()
+                request.stats.num_cached_tokens = request.context_len
             request.status = RequestStatus.PREFILLING
             self.running.append(request)
             self._finish_prefill_if_done(request)

@@ -112,6 +112,21 @@ def test_prefix_cache_skips_the_shared_prompt_pages():
     assert second.page_ids[:3] == first.page_ids[:3]
 
 
+def test_cached_tokens_count_once_and_a_full_hit_reports_no_negative_prefill_time():
+    scheduler = make_scheduler()
+    prompt = list(range(10, 23))  # 13 tokens: the prefill target is 12, three full pages
+    scheduler.add(request("a", prompt))
+    finish_prefill(scheduler)
+    second = request("b", prompt)
+    scheduler.add(second)
+    scheduler.schedule()
+    assert second.status is RequestStatus.DECODING and second.stats.num_cached_tokens == 12  # all from the cache
+    assert second.stats.as_dict(0)["prefill_time_ms"] >= 0
+    scheduler.preempt(second)
+    scheduler.schedule()  # recomputed: re-matches the same pages
+    assert second.stats.num_preemptions == 1 and second.stats.num_cached_tokens == 12
+
+
 def test_prefix_cache_off_shares_nothing():
     scheduler = make_scheduler(caching=False)
     prompt = list(range(10, 23))
