@@ -135,9 +135,9 @@ def _read_stop(body: dict) -> list[str]:
     return stop
 
 
-def _read_token_ids(value, name: str, vocab_size: int) -> list[int]:
-    if not isinstance(value, list) or not value or not all(_is_int(t) for t in value):
-        raise invalid(name, f"{name} must be a non-empty list of token ids")
+def _read_token_ids(value, name: str, vocab_size: int, *, may_be_empty: bool = False) -> list[int]:
+    if not isinstance(value, list) or not (value or may_be_empty) or not all(_is_int(t) for t in value):
+        raise invalid(name, f"{name} must be a {'' if may_be_empty else 'non-empty '}list of token ids")
     if not all(0 <= t < vocab_size for t in value):
         raise invalid(name, f"{name} holds token ids outside the vocabulary [0, {vocab_size})")
     return value
@@ -210,7 +210,7 @@ def _read_common(body: dict, defaults: SamplingDefaults, vocab_size: int, max_to
         "seed": _read_int(body, "seed", None),
         "stop": _read_stop(body),
         "stop_token_ids": [] if stop_token_ids is None else _read_token_ids(stop_token_ids, "stop_token_ids",
-                                                                            vocab_size),
+                                                                            vocab_size, may_be_empty=True),
         "ignore_eos": _read_bool(body, "ignore_eos"),
         "stream": stream,
         "include_usage": include_usage,

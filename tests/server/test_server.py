@@ -299,6 +299,8 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "x", "n": 129}, 400, "invalid_value"),
     ("completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "invalid_value"),
     ("completions", {"prompt": "x", "stop": [""]}, 400, "invalid_value"),
+    ("completions", {"prompt": "x", "stop_token_ids": [-1]}, 400, "invalid_value"),
+    ("completions", {"prompt": "x", "stop_token_ids": 5}, 400, "invalid_value"),
     ("completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "invalid_value"),
     ("completions", {"prompt": "x", "stream": "yes"}, 400, "invalid_value"),
     ("completions", {"prompt": "x", "logprobs": 1}, 400, "invalid_value"),
@@ -327,6 +329,12 @@ def test_a_bad_request_gets_an_openai_error_with_the_right_status(http, route, b
     assert set(error) == {"message", "type", "param", "code"} and error["code"] == code and error["message"]
     if code == "context_length_exceeded":
         assert error["message"].startswith(f"This model's maximum context length is {MAX_MODEL_LEN} tokens.")
+
+
+def test_an_empty_stop_token_ids_list_is_accepted(http):
+    """Some clients send every field with its empty default."""
+    response = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2, "stop_token_ids": []})
+    assert response.status_code == 200, response.text
 
 
 def test_unknown_routes_and_methods_get_json_errors(http):
