@@ -189,8 +189,9 @@ class Scheduler:
         target = request.prefill_target(self.cfg.block_size)
         if request.context_len < target:
             return
-        tail = request.all_token_ids[target:]  # the prompt tail shares the first block, fixed
-        request.window = Window.start(tail, self.cfg.buffer_size, self.cfg.block_size, self.cfg.mask_token_id)
+        if request.window is None:  # a preempted request resumes its blocks in flight as they were
+            tail = request.all_token_ids[target:]  # the prompt tail shares the first block, fixed
+            request.window = Window.start(tail, self.cfg.buffer_size, self.cfg.block_size, self.cfg.mask_token_id)
         request.status = RequestStatus.DECODING
         request.stats.prefill_done_time = request.stats.prefill_done_time or time.perf_counter()
 
@@ -245,8 +246,10 @@ class Scheduler:
             self.waiting.remove(request)
 
     def preempt(self, request: Request) -> None:
+        """Free the request's pages and requeue it first. Its window stays: after recomputing the committed KV
+        (prefill up to the same context) it resumes mid-block, so its output is the one it would have had."""
         self.pages.free(request.page_ids)
-        request.page_ids, request.context_len, request.window = [], 0, None
+        request.page_ids, request.context_len = [], 0
         request.status = RequestStatus.WAITING
         request.stats.num_preemptions += 1
         self.running.remove(request)

@@ -47,8 +47,13 @@ def test_greedy_output_does_not_depend_on_batch_or_page_size(checkpoint, llm):
     assert token_ids(big_pages.generate(PROMPTS, params)) == reference
 
 
-def test_preempted_requests_give_the_same_output(llm):
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
+@pytest.mark.parametrize("blocks_in_flight", [1, 3])
+def test_preempted_requests_give_the_same_output(checkpoints, blocks_in_flight):
+    """Seeded sampling on the plain random model (the confident one is all but greedy): preempted mid-window, a
+    request resumes its blocks in flight, later blocks' partial tokens and step counters included."""
+    llm = LLM(checkpoints("sdar"), decoding_strategy="threshold", threshold=0.6, buffer_size=blocks_in_flight,
+              add_block_threshold=0.2 if blocks_in_flight > 1 else None, **OPTIONS)
+    params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=1.0, seed=11)
     alone = [llm.generate([p], params)[0] for p in PROMPTS]
     assert not any(o.stats["preemptions"] for o in alone)
     together = llm.generate(PROMPTS, params)
