@@ -5,6 +5,7 @@ effect at the next step boundary.
 """
 
 import collections
+import contextlib
 import itertools
 import json
 import logging
@@ -56,27 +57,33 @@ class QueueFull(RuntimeError):
 
 
 class _CompileGuard:
-    """Counts XLA compilations after warm-up; raises on one when strict (tests), logs it otherwise.
+    """Counts the XLA compilations a warmed-up engine's steps make; raises on one when strict (tests), logs it
+    otherwise.
 
-    Compilation events are process-wide, so there is one guard: the engine that warmed up last arms it, and
-    building another engine disarms it (that engine compiles legitimately until its own warm-up).
+    Compilation events are process-wide, so a compilation is charged to the engine whose step runs in the compiling
+    thread, and only once that engine has warmed up: another engine in the process (built before or after, warmed
+    up or not) compiles its own shapes without being blamed for them or blaming this one.
     """
 
     def __init__(self):
-        self.armed = False
-        self.strict = False
-        self.count = 0
+        self._stepping = threading.local()
         jax.monitoring.register_event_duration_secs_listener(self._on_event)
 
-    def arm(self, strict: bool) -> None:
-        self.armed, self.strict, self.count = True, strict, 0
+    @contextlib.contextmanager
+    def watching(self, engine: "LLMEngine"):
+        self._stepping.engine = engine
+        try:
+            yield
+        finally:
+            self._stepping.engine = None
 
     def _on_event(self, event: str, duration: float, **_) -> None:
-        if event != _COMPILE_EVENT or not self.armed:
+        engine = getattr(self._stepping, "engine", None)
+        if event != _COMPILE_EVENT or engine is None or engine.compile_after_warmup is None:
             return
-        self.count += 1
+        engine.compilations_after_warmup += 1
         logger.warning("compiled after warm-up (%.2fs): a shape escaped the buckets", duration)
-        if self.strict:
+        if engine.compile_after_warmup == "raise":
             raise CompilationAfterWarmup(f"an XLA compilation ({duration:.2f}s) happened after warm-up")
 
 
@@ -86,13 +93,15 @@ _compile_guard = _CompileGuard()
 class LLMEngine:
     def __init__(self, model_dir: str | pathlib.Path, engine_config: EngineConfig | None = None,
                  decoding_config: DecodingConfig | None = None, *, random_weights: bool = False):
-        _compile_guard.armed = False
         engine_config, decoding_config = engine_config or EngineConfig(), decoding_config or DecodingConfig()
         self.config, self.decoding = engine_config, decoding_config
         if engine_config.compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", engine_config.compilation_cache_dir)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
         model_dir = pathlib.Path(model_dir)
+        # after warm-up a compilation in a step is logged ("log") or raises ("raise"); None: not warmed up yet
+        self.compile_after_warmup: str | None = None
+        self.compilations_after_warmup = 0
         self.tokenizer = _load_tokenizer(model_dir)
         self._tokenizer_lock = threading.Lock()  # fast tokenizers raise "Already borrowed" when shared by threads
         self.model_config = model_config(model_dir)
@@ -196,7 +205,7 @@ class LLMEngine:
         timings = self.runner.warmup(lambda shapes: tqdm(shapes, desc="compiling buckets", unit="bucket"))
         for name, seconds in timings.items():
             logger.info("compiled %s in %.2fs", name, seconds)
-        _compile_guard.arm(strict)
+        self.compile_after_warmup, self.compilations_after_warmup = ("raise" if strict else "log"), 0
         return timings
 
     # requests
@@ -271,6 +280,10 @@ class LLMEngine:
     # the step
 
     def step(self) -> list[RequestOutput]:
+        with _compile_guard.watching(self):
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         outputs = self._drain_inbox()
         batch = self.scheduler.schedule()
         if batch is None:
@@ -360,6 +373,3 @@ class LLMEngine:
         pages = self.scheduler.pages
         return pages.num_used_pages / pages.num_pages
 
-    @property
-    def compilations_after_warmup(self) -> int:
-        return _compile_guard.count

@@ -103,6 +103,7 @@ def test_a_request_joins_a_running_batch_at_the_next_step(llm):
 
 
 def test_nothing_compiles_after_warmup_and_an_unbucketed_shape_fails_loudly(checkpoint):
+    earlier = LLM(checkpoint, decoding_strategy="threshold", threshold=0.6, **OPTIONS)  # never warmed up
     llm = LLM(checkpoint, decoding_strategy="threshold", threshold=0.6, dtype="float32", block_size=4,
               max_num_seqs=2, max_model_len=32)
     timings = llm.engine.warmup(strict=True)
@@ -115,6 +116,10 @@ def test_nothing_compiles_after_warmup_and_an_unbucketed_shape_fails_loudly(chec
     llm.engine.runner.batch_buckets = [3]  # a bucket warm-up never compiled
     with pytest.raises(CompilationAfterWarmup):
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4))
+    # another engine in the process compiles its own shapes: not an error, and not this engine's count
+    count = llm.engine.compilations_after_warmup
+    assert earlier.generate([[5, 6, 7]], SamplingParams(max_tokens=4))[0].finish_reason
+    assert llm.engine.compilations_after_warmup == count and earlier.engine.compilations_after_warmup == 0
 
 
 def test_the_step_cap_splits_rounds_without_changing_tokens_or_compiling(llm):
