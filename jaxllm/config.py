@@ -114,7 +114,7 @@ class DecodingConfig:
 
     strategy: Strategy = "threshold"
     threshold: float | None = None  # threshold / joint_threshold: commit masked positions with confidence >= this
-    denoising_steps: int | None = None  # fixed_steps: steps per block
+    denoising_steps: int | None = None  # fixed_steps: steps per block (None: the block size, one token a step)
     editing_threshold: float | None = None  # joint_threshold: rewrite a filled token when its new candidate beats this
     max_post_steps: int | None = None  # joint_threshold: editing steps allowed after a block has no masks
     buffer_size: int = 1  # blocks in flight per request
@@ -149,7 +149,10 @@ class DecodingConfig:
             value = getattr(self, knob)
             if self.buffer_size == 1 and value is not None:
                 raise ConfigError(f"{knob}={value!r} needs buffer_size > 1")
-            if self.buffer_size > 1 and value is None:
+            if knob == "semi_complete_threshold" and self.strategy == "fixed_steps":
+                if value is not None:  # its schedule already commits a fixed count in every active block
+                    raise ConfigError(f"{knob}={value!r} has no effect with decoding_strategy='fixed_steps'")
+            elif self.buffer_size > 1 and value is None:
                 object.__setattr__(self, knob, default)
         for knob in ("threshold", "editing_threshold", "add_block_threshold", "semi_complete_threshold"):
             value = getattr(self, knob)

@@ -147,6 +147,7 @@ def test_later_blocks_complete_only_behind_earlier_ones():
     dict(strategy="fixed_steps", threshold=0.9),
     dict(strategy="threshold", editing_threshold=0.5),
     dict(strategy="threshold", add_block_threshold=0.2),
+    dict(strategy="fixed_steps", denoising_steps=4, buffer_size=2, semi_complete_threshold=0.3),
     dict(strategy="threshold", threshold=1.5),
     dict(strategy="speculative"),
 ])

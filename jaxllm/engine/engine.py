@@ -6,6 +6,7 @@ effect at the next step boundary.
 
 import collections
 import contextlib
+import dataclasses
 import itertools
 import json
 import logging
@@ -108,6 +109,8 @@ class LLMEngine:
         self.mask_token_id = self._resolve_mask_id()
         self.eos_token_ids = self._resolve_eos_ids(model_dir)
         self.block_size = engine_config.block_size or self.model_config.default_block_size
+        if self.decoding.strategy == "fixed_steps" and self.decoding.denoising_steps is None:
+            self.decoding = dataclasses.replace(self.decoding, denoising_steps=self.block_size)
         self.page_size = engine_config.page_size or self.block_size
         if self.page_size % self.block_size:
             raise ConfigError(f"page_size ({self.page_size}) must be a multiple of block_size ({self.block_size})")

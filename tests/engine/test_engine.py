@@ -204,6 +204,7 @@ def test_a_prompt_over_the_context_is_rejected_with_the_openai_message(llm):
     dict(decoding_strategy="threshold", threshold=0.6, buffer_size=3, add_block_threshold=0.2,
          semi_complete_threshold=0.8),
     dict(decoding_strategy="fixed_steps", denoising_steps=2, buffer_size=2, add_block_threshold=0.5),
+    dict(decoding_strategy="fixed_steps"),  # steps per block default to the block size
 ])
 def test_every_strategy_generates_to_the_end(checkpoint, options):
     llm = LLM(checkpoint, **OPTIONS, **options)
