@@ -55,6 +55,11 @@ def transformer_config(hf_config: dict, model_type: str, *, rope_theta: float, p
     def field(name):
         return hf_field(hf_config, name, model_type)
 
+    scaling = {**(hf_config.get("rope_parameters") or {}), **(hf_config.get("rope_scaling") or {})}
+    rope_type = scaling.get("rope_type") or scaling.get("type")
+    if rope_type not in (None, "default"):
+        raise ConfigError(f"RoPE scaling {rope_type!r} is not supported: only plain RoPE (a {model_type!r} checkpoint "
+                          f"with it would get wrong positions)")
     num_heads = field("num_attention_heads")
     head_dim = hf_config.get("head_dim") or field("hidden_size") // num_heads
     return ModelConfig(

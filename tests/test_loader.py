@@ -89,3 +89,21 @@ def test_an_unsupported_model_type_is_named(sdar_dir):
     (sdar_dir / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="model_type 'dream' is not supported"):
         model_config(sdar_dir)
+
+
+@pytest.mark.parametrize(("arch", "setting", "message"), [
+    ("sdar", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "RoPE scaling 'yarn'"),
+    ("sdar", {"rope_scaling": {"type": "linear", "factor": 2.0}}, "RoPE scaling 'linear'"),
+    ("llada2", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 6e5, "factor": 4.0}}, "RoPE scaling 'yarn'"),
+    ("llada2", {"expert_capacity": 48}, "block routing"),
+    ("llada2", {"norm_head": True}, "norm_head"),
+])
+def test_settings_the_models_do_not_implement_are_refused(checkpoints, tmp_path, arch, setting, message):
+    """Loading them anyway would give a model that runs and is silently wrong."""
+    config = json.loads((checkpoints(arch) / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | setting))
+    with pytest.raises(ConfigError, match=message):
+        model_config(tmp_path)
+    plain = config | {"rope_scaling": None, "expert_capacity": 0, "norm_head": False}
+    (tmp_path / "config.json").write_text(json.dumps(plain))
+    model_config(tmp_path)

@@ -25,6 +25,11 @@ def config_from_hf(hf: dict) -> ModelConfig:
 
     if hf.get("score_function", "sigmoid") != "sigmoid":
         raise ConfigError(f"score_function {hf['score_function']!r} is not supported; LLaDA2 routes with 'sigmoid'")
+    if hf.get("expert_capacity"):
+        raise ConfigError(f"expert_capacity={hf['expert_capacity']} (LLaDA2.2 block routing) is not supported: only "
+                          f"grouped top-k routing")
+    if hf.get("norm_head"):
+        raise ConfigError("norm_head=true (a normalised LM head) is not supported")
     moe = MoEConfig(
         num_experts=field("num_experts"),
         num_experts_per_tok=field("num_experts_per_tok"),
