@@ -28,6 +28,7 @@ from flax import nnx
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.config import ModelConfig
+from jaxllm.models import model_config
 from jaxllm.models.layers import DenseMetadata
 from tools.device_profile import device_kernel_times, hlo_dump_flags, print_kernel_table
 
@@ -192,6 +193,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    if args.num_prompts and len(args.batch) > 1:  # one engine holds max(batch) in flight: every row would run at it
+        parser.error("--num-prompts takes a single --batch size")
     hlo_dump = None
     if args.profile:
         temporary_dump = None if args.hlo_dump_dir else tempfile.TemporaryDirectory(prefix="bench_offline_hlo_")
@@ -239,15 +242,16 @@ def main() -> None:
 
 def make_llm(args, model_dir: pathlib.Path, max_batch: int) -> LLM:
     max_model_len = args.input_len + args.output_len + 64
+    page_size = args.block_size or model_config(model_dir).default_block_size  # pages default to one block
     padded_prompt = 1 << (args.input_len - 1).bit_length()  # one prefill step takes every prompt
     options = dict(decoding_strategy=args.strategy, dtype=args.dtype, max_num_seqs=max_batch,
                    max_model_len=max_model_len, max_num_batched_tokens=max_batch * padded_prompt,
-                   quantization=args.quantization, num_pages=2 * max_batch * (max_model_len // 16 + 1),
+                   quantization=args.quantization, num_pages=2 * max_batch * (-(-max_model_len // page_size) + 1),
                    enable_prefix_caching=False)  # the timed pass repeats the warm-up's prompts: do all the work
     if args.block_size:
         options["block_size"] = args.block_size
     if args.strategy == "fixed_steps":
-        options["denoising_steps"] = args.denoising_steps or args.block_size or 32
+        options["denoising_steps"] = args.denoising_steps  # None: the engine takes the block size
     elif args.threshold is not None:
         options["threshold"] = args.threshold
     return LLM(model_dir, random_weights=args.random_weights, **options)

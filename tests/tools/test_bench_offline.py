@@ -1,9 +1,11 @@
 """The offline benchmark's floor model and its count of the experts a batch touches."""
 
+import sys
+
 import pytest
 
 from jaxllm import LLM, SamplingParams
-from tools.bench_offline import forward_floor, measured_touched_experts, median_run, run
+from tools.bench_offline import forward_floor, main, measured_touched_experts, median_run, run
 
 BLOCK = 4
 
@@ -68,3 +70,20 @@ def test_sampling_options_reach_the_engine(llada2):
     sampling = dict(temperature=1.5, top_p=0.9, seed=3)
     first, second = (run(llada2, prompts, 2 * BLOCK, sampling=sampling)["outputs"] for _ in range(2))
     assert first == second != greedy
+
+
+def test_the_command_runs_on_a_model_of_small_blocks(checkpoints, monkeypatch, capsys):
+    """SDAR's 4-token blocks and pages, no --block-size: the pool is sized in the model's pages."""
+    monkeypatch.setattr(sys, "argv", ["bench_offline", "--model", str(checkpoints("sdar")), "--dtype", "float32",
+                                      "--input-len", "40", "--output-len", "8", "--repeats", "1"])
+    main()
+    header, row = capsys.readouterr().out.strip().splitlines()[-2:]
+    result = dict(zip(header.split(" | "), row.split(" | ")))
+    assert result["model"] == "sdar" and result["batch"] == "1" and result["block_size"] == "4"
+    assert float(result["ms_per_forward"]) > 0
+
+
+def test_a_prompt_count_with_several_batch_sizes_is_refused(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["bench_offline", "--batch", "1", "4", "--num-prompts", "4"])
+    with pytest.raises(SystemExit):
+        main()
