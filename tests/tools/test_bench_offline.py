@@ -75,7 +75,7 @@ def test_sampling_options_reach_the_engine(llada2):
 def test_the_command_runs_on_a_model_of_small_blocks(checkpoints, monkeypatch, capsys):
     """SDAR's 4-token blocks and pages, no --block-size: the pool is sized in the model's pages."""
     monkeypatch.setattr(sys, "argv", ["bench_offline", "--model", str(checkpoints("sdar")), "--dtype", "float32",
-                                      "--input-len", "40", "--output-len", "8", "--repeats", "1"])
+                                      "--input-len", "96", "--output-len", "8", "--repeats", "1"])
     main()
     header, row = capsys.readouterr().out.strip().splitlines()[-2:]
     result = dict(zip(header.split(" | "), row.split(" | ")))
