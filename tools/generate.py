@@ -27,11 +27,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int)
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     parser.add_argument("--dtype", default="float32", help="float32 or bfloat16")
+    parser.add_argument("--max-model-len", type=int, default=512, help="prompt + output tokens per request")
     args = parser.parse_args()
 
     prompts = args.prompt or ['def parse_args(argv):\n    """', "def ", "class Stack:\n    def push(self, item):\n"]
     options = dict(decoding_strategy=args.strategy, dtype=args.dtype, max_num_seqs=len(prompts),
-                   max_model_len=512, block_size=args.block_size, buffer_size=args.buffer_size)
+                   max_model_len=args.max_model_len, block_size=args.block_size, buffer_size=args.buffer_size)
     if args.threshold is not None or args.strategy == "threshold":
         options["threshold"] = 0.9 if args.threshold is None else args.threshold
     if args.denoising_steps is not None:
