@@ -136,8 +136,10 @@ def _unflatten(flat: dict[str, object]) -> dict:
 
 
 def load_weights(model_dir: pathlib.Path, abstract_model: nnx.Module, weight_map: dict[str, Tensor],
-                 ignored_keys: tuple[str, ...] = ()) -> nnx.Module:
-    """Fill an abstract (eval_shape) model from the checkpoint."""
+                 ignored_keys: tuple[str, ...] = (), convert=None) -> nnx.Module:
+    """Fill an abstract (eval_shape) model from the checkpoint. convert(path, array) -> value, if given, turns each
+    tensor into what the model stores (e.g. quantized experts) as it arrives, so the device never holds the whole
+    model in the checkpoint's dtype."""
     graphdef, state = nnx.split(abstract_model)
     params = _flat_params(state)
     if set(params) != set(weight_map):
@@ -147,8 +149,8 @@ def load_weights(model_dir: pathlib.Path, abstract_model: nnx.Module, weight_map
     loaded = {}
     for path, spec in weight_map.items():
         struct = params[path]
-        array = _assemble(path, spec, reader, struct.shape, np.dtype(struct.dtype))
-        loaded[path] = jnp.asarray(array)
+        array = jnp.asarray(_assemble(path, spec, reader, struct.shape, np.dtype(struct.dtype)))
+        loaded[path] = convert(path, array) if convert else array
         used |= _used_keys(spec)
     unexpected = sorted(reader.keys() - used - set(ignored_keys))
     if unexpected:
@@ -163,8 +165,9 @@ def _used_keys(spec: Tensor) -> set[str]:
     return {key.format(expert=expert) for key in spec.keys for expert in experts}
 
 
-def random_weights(abstract_model: nnx.Module, seed: int = 0, std: float = 0.02) -> nnx.Module:
-    """Fill an abstract model with random weights made on the device (for full-size benchmarks)."""
+def random_weights(abstract_model: nnx.Module, seed: int = 0, std: float = 0.02, convert=None) -> nnx.Module:
+    """Fill an abstract model with random weights made on the device (for full-size benchmarks); convert as in
+    load_weights."""
     graphdef, state = nnx.split(abstract_model)
     params = _flat_params(state)
 
@@ -181,5 +184,7 @@ def random_weights(abstract_model: nnx.Module, seed: int = 0, std: float = 0.02)
             filled[path] = jnp.abs(make(key, struct.shape, struct.dtype))
         else:
             filled[path] = make(key, struct.shape, struct.dtype)
+        if convert:
+            filled[path] = convert(path, filled[path])
     nnx.replace_by_pure_dict(state, _unflatten(filled))
     return nnx.merge(graphdef, state)

@@ -1,5 +1,6 @@
 """The supported architectures, by config.json `model_type`, and how to build one from a checkpoint directory."""
 
+import functools
 import pathlib
 
 from flax import nnx
@@ -36,11 +37,11 @@ def load_model(model_dir: pathlib.Path, cfg: ModelConfig, dtype: str, *, random_
                quantization: str | None = None) -> nnx.Module:
     """The model with the checkpoint's weights (or random ones made on the device, for benchmarks)."""
     module, _ = _architecture(cfg.model_type)
-    if quantization and not hasattr(module, "quantize_weights"):
+    if quantization and not hasattr(module, "quantized"):
         raise ConfigError(f"quantization={quantization!r} is supported for MoE models; {cfg.model_type!r} is dense")
     abstract = abstract_model(cfg, dtype)
+    # each tensor is quantized as it is made: the device never holds the whole model at the checkpoint's width
+    convert = functools.partial(module.quantized, cfg, quantization) if quantization else None
     if random_init:
-        model = random_weights(abstract)
-    else:
-        model = load_weights(model_dir, abstract, module.hf_weight_map(cfg), module.IGNORED_KEYS)
-    return module.quantize_weights(model, quantization) if quantization else model
+        return random_weights(abstract, convert=convert)
+    return load_weights(model_dir, abstract, module.hf_weight_map(cfg), module.IGNORED_KEYS, convert=convert)

@@ -6,6 +6,9 @@ top-k, top-k weights normalised and scaled by routed_scaling_factor, plus shared
 in-place logits.
 """
 
+import functools
+import re
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -81,14 +84,22 @@ class LLaDA2(DecoderLM):
         super().__init__(cfg, make_mlp, dtype=dtype, rngs=rngs)
 
 
-def quantize_weights(model: LLaDA2, mode: str) -> LLaDA2:
-    """Quantize the routed experts (nearly all of the weight bytes) to int8 or fp8, one layer at a time, stored
-    channel-major (the layout the MoE kernels read 1-byte tiles from with ldmatrix; see kernels/moe.py)."""
-    quantize_one = jax.jit(lambda w: quantize(w, mode, channel_major=True))
-    for layer in model.layers[model.cfg.moe.first_k_dense_replace:]:
-        for param in (layer.mlp.experts_gate_up, layer.mlp.experts_down):
-            param.set_value(quantize_one(param.get_value()))
-    return model
+_EXPERT_WEIGHTS = re.compile(r"layers/(\d+)/mlp/experts_(gate_up|down)")
+
+
+def quantized(cfg: ModelConfig, mode: str, path: str, value: jax.Array):
+    """A parameter as the model stores it under load-time quantization: the routed experts (nearly all of the weight
+    bytes) become int8 or fp8, stored channel-major (the layout the MoE kernels read 1-byte tiles from with ldmatrix;
+    see kernels/moe.py); every other parameter is kept as it is."""
+    match = _EXPERT_WEIGHTS.fullmatch(path)
+    if match and int(match.group(1)) >= cfg.moe.first_k_dense_replace:
+        return _quantize_channel_major(value, mode)
+    return value
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _quantize_channel_major(weight, mode):
+    return quantize(weight, mode, channel_major=True)
 
 
 def hf_weight_map(cfg: ModelConfig) -> dict[str, Tensor]:

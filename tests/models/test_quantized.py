@@ -1,5 +1,7 @@
 """Load-time int8 / fp8 quantization of the routed experts: its cost in logits, and the engine option end to end."""
 
+import gc
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -41,6 +43,26 @@ def test_engine_with_quantized_experts_runs_the_dequantized_model(checkpoints, m
     dequantized.engine.runner.weights = jax.tree.leaves(plain)
     tokens = [o.token_ids for o in quantized.generate(PROMPTS, GREEDY)]
     assert tokens == [o.token_ids for o in dequantized.generate(PROMPTS, GREEDY)]
+
+
+def test_experts_are_quantized_as_they_load(checkpoints, monkeypatch):
+    """So a model whose experts fit the device only when quantized loads: at no point does the device hold two
+    expert tensors at the checkpoint's width."""
+    from jaxllm.models import llada2
+
+    def unquantized_alive():  # 3-d float32 arrays: expert stacks at the checkpoint's width (this test's dtype)
+        return sum(a.ndim == 3 and a.dtype == jnp.float32 for a in jax.live_arrays())
+
+    def watched(cfg, mode, path, value):
+        counts.append(unquantized_alive() - before)
+        return quantize_on_load(cfg, mode, path, value)
+
+    gc.collect()  # earlier tests' engines
+    before, counts = unquantized_alive(), []
+    quantize_on_load = llada2.quantized
+    monkeypatch.setattr(llada2, "quantized", watched)
+    LLM(checkpoints("llada2"), quantization="int8", **OPTIONS)
+    assert max(counts) == 1
 
 
 def test_quantizing_a_dense_model_is_a_config_error(checkpoints):
