@@ -33,6 +33,7 @@ ENGINE_FLAGS = [
     ("--page-size", int, "tokens per KV page; a multiple of the block size"),
     ("--buffer-size", int, "blocks in flight per request"),
     ("--decoding-strategy", str, "threshold | fixed_steps | joint_threshold"),
+    ("--decoding-preset", str, "joint_threshold: LLaDA2.1's quality | speed settings (explicit flags override)"),
     ("--threshold", float, "commit masked positions whose confidence reaches this"),
     ("--denoising-steps", int, "fixed_steps: steps per block (default: the block size)"),
     ("--editing-threshold", float, "joint_threshold: rewrite a filled token whose new candidate beats this"),

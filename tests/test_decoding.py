@@ -161,3 +161,16 @@ def test_llada21_presets_set_the_published_thresholds():
     assert (quality.threshold, quality.editing_threshold, quality.max_post_steps) == (0.7, 0.5, 16)
     assert (speed.threshold, speed.editing_threshold, speed.max_post_steps) == (0.5, 0.0, 16)
     assert DecodingConfig.joint_threshold_preset("speed", max_post_steps=4).max_post_steps == 4
+
+
+def test_a_preset_is_an_option_that_explicit_settings_override():
+    from jaxllm.llm import split_options
+
+    _, speed = split_options(dict(decoding_preset="speed"))
+    assert (speed.strategy, speed.threshold, speed.editing_threshold) == ("joint_threshold", 0.5, 0.0)
+    _, tuned = split_options(dict(decoding_preset="quality", decoding_strategy="joint_threshold", max_post_steps=4))
+    assert (tuned.threshold, tuned.editing_threshold, tuned.max_post_steps) == (0.7, 0.5, 4)
+    with pytest.raises(ConfigError):
+        split_options(dict(decoding_preset="speed", decoding_strategy="threshold"))
+    with pytest.raises(ConfigError):
+        split_options(dict(decoding_preset="fastest"))
