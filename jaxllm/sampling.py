@@ -43,7 +43,8 @@ class SamplingParams:
 
 def _order_keys(x):
     """uint32 keys that order like the float32 values x (-0 and +0 alike, -inf lowest; x holds no NaN)."""
-    bits = jax.lax.bitcast_convert_type(x + 0.0, jnp.uint32)  # -0 + 0 = +0
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    bits = jnp.where(bits == jnp.uint32(1 << 31), jnp.uint32(0), bits)  # -0 as +0 (XLA simplifies away x + 0.0)
     return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
 
 

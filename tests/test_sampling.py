@@ -108,6 +108,13 @@ def test_a_filtering_request_gets_the_same_proposals_in_any_batch():
             np.testing.assert_array_equal(np.asarray(both[b]), np.asarray(one[0]), err_msg=f"request {b}")
 
 
+def test_order_keys_order_like_the_floats_with_both_zeros_alike():
+    values = jnp.asarray([-jnp.inf, -3.5, -1e-30, -0.0, 0.0, 1e-30, 2.0, jnp.inf], jnp.float32)
+    for keys_of in (_order_keys, jax.jit(_order_keys)):  # under jit XLA drops an x + 0.0
+        keys = np.asarray(keys_of(values)).astype(np.int64)
+        assert keys[3] == keys[4] and (np.diff(np.delete(keys, 3)) > 0).all()
+
+
 @pytest.mark.parametrize("neighbour", [dict(temperature=1.0), dict(top_k=50), dict(top_p=0.9)])
 def test_a_greedy_row_gets_the_same_proposal_beside_a_sampling_or_filtering_row(neighbour):
     """Plain greedy batches take their own branch; a greedy row in a batch that samples or filters must get the same
