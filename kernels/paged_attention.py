@@ -47,6 +47,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from jaxllm.kernels import is_power_of_two
+
 # JAX 0.11 warns at every Pallas-Triton lowering; this kernel is Triton by design (see jax-gpu.md), so silence
 # exactly that warning.
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated", category=DeprecationWarning)
@@ -350,7 +352,7 @@ def _paged_attention_pallas(q, k, v, k_pages, v_pages, layer, page_table, contex
     """Pallas-Triton kernel; `tiling_overrides` ({field: value} of _Tiling) is for tests and benchmarks."""
     batch, window, num_heads, head_dim = q.shape
     num_layers, num_kv_heads, num_pages, page_size, _ = k_pages.shape
-    if head_dim & (head_dim - 1):
+    if not is_power_of_two(head_dim):
         raise ValueError(f"the Pallas kernel needs a power-of-2 head_dim, got {head_dim}")
     group = num_heads // num_kv_heads
     tiling = _choose_tiling(q, page_size, page_table.shape[1], num_kv_heads, tiling_overrides)
@@ -391,8 +393,9 @@ def _paged_attention_pallas(q, k, v, k_pages, v_pages, layer, page_table, contex
     return out[:, :window, :, :group].reshape(batch, window, num_heads, head_dim)
 
 
-def _default_impl():
-    return "pallas" if jax.default_backend() == "gpu" else "reference"
+def _default_impl(head_dim: int) -> str:
+    """The kernel on the GPU where Triton can hold a head (a power-of-two head_dim); XLA elsewhere."""
+    return "pallas" if jax.default_backend() == "gpu" and is_power_of_two(head_dim) else "reference"
 
 
 @functools.partial(jax.named_call, name="paged_attention")
@@ -406,14 +409,14 @@ def paged_attention(q, k, v, k_pages, v_pages, layer, page_table, context_lens, 
       k_pages, v_pages: [L, K, P, S, D] page pool; layer: int32 scalar selecting L.
       page_table: i32[B, W]; context_lens: i32[B] committed tokens (multiple of block_size);
       window_lens: i32[B] valid window tokens (the rest are placeholders, invisible as keys).
-      impl: "auto" (Pallas on GPU, reference elsewhere), "pallas" or "reference".
+      impl: "auto" (Pallas on GPU for a power-of-two head_dim, reference elsewhere), "pallas" or "reference".
     Returns:
       [B, Q, H, D] in q's dtype.
     """
     _check_shapes(q, k, v, k_pages, v_pages, page_table, context_lens, window_lens)
     if sm_scale is None:
         sm_scale = q.shape[-1] ** -0.5
-    impl = _default_impl() if impl == "auto" else impl
+    impl = _default_impl(q.shape[-1]) if impl == "auto" else impl
     kwargs = {"block_size": block_size, "sm_scale": sm_scale, "sliding_window": sliding_window,
               "logit_soft_cap": logit_soft_cap}
     if impl == "reference":

@@ -236,3 +236,13 @@ def test_small_batch_short_context_is_split_across_programs():
     q = jax.ShapeDtypeStruct((1, 32, 32, 128), jnp.bfloat16)  # SDAR-8B decode: one 32-token block, 32/8 heads
     tiling = pa._choose_tiling(q, page_size=32, page_table_width=17, num_kv_heads=8, overrides=None)
     assert tiling.num_splits >= 4, tiling  # 8 kv heads x 1 query tile alone would be 8 programs
+
+
+def test_auto_runs_a_head_the_kernel_cannot_hold_in_xla_on_the_gpu(monkeypatch):
+    """head_dim 96 is not a power of two: on the GPU "auto" must take the reference, not fail to compile."""
+    case = Case(context_lens=(24,), head_dim=96)
+    clean, _ = make_inputs(case, seed=3)
+    expected = run_reference(case, clean)
+    monkeypatch.setattr(pa.jax, "default_backend", lambda: "gpu")
+    out = jax.jit(functools.partial(pa.paged_attention, block_size=case.block_size, impl="auto"))(*clean)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=1e-5, atol=1e-5)
