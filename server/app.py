@@ -51,7 +51,9 @@ def _add_listeners(app: Sanic, engine_loop: EngineLoop) -> None:
     async def start_engine(app):
         engine_loop.start(asyncio.get_running_loop(), on_failure=app.stop)
 
-    @app.before_server_stop
+    # after the drain: Sanic stops listening, waits (up to its graceful timeout) for open requests, then runs this;
+    # stopping the engine before the drain froze every running stream until the timeout reset it
+    @app.after_server_stop
     async def stop_engine(app):
         engine_loop.stop()
 

@@ -76,9 +76,8 @@ def _stop(process: subprocess.Popen) -> None:
         process.wait()
 
 
-@pytest.fixture(scope="module")
-def server(checkpoints, tmp_path_factory):
-    checkpoint = checkpoints("sdar")
+def _launch(checkpoint: pathlib.Path, tmp_path_factory) -> tuple[subprocess.Popen, str, pathlib.Path]:
+    """A server process on a free port: (process, url, log path)."""
     port = _free_port()
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     # shared by every server a test session starts, so only the first one compiles
@@ -87,8 +86,14 @@ def server(checkpoints, tmp_path_factory):
                "--port", str(port), "--compilation-cache-dir", str(cache), *SERVER_FLAGS]
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    return process, f"http://127.0.0.1:{port}", log_path
+
+
+@pytest.fixture(scope="module")
+def server(checkpoints, tmp_path_factory):
+    checkpoint = checkpoints("sdar")
+    process, url, log_path = _launch(checkpoint, tmp_path_factory)
     try:
-        url = f"http://127.0.0.1:{port}"
         yield Server(url, checkpoint, _wait_until_ready(url, process, log_path))
     finally:
         _stop(process)
@@ -468,3 +473,24 @@ def test_serve_exits_with_an_error_when_the_model_cannot_load(server, tmp_path):
     finished = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO, check=False)
     assert finished.returncode == 1
     assert "the engine failed to start" in finished.stderr
+
+
+def test_sigterm_lets_running_streams_finish(checkpoints, tmp_path_factory):
+    """A rolling restart: the server stops taking connections but its engine runs until the open streams end."""
+    process, url, log_path = _launch(checkpoints("sdar"), tmp_path_factory)
+    try:
+        _wait_until_ready(url, process, log_path)
+        body = {"model": MODEL, "prompt": "hello", "max_tokens": 48, "ignore_eos": True, "stream": True}
+        events = []
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH, timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line.removeprefix("data: "))
+                    if len(events) == 2:  # the role chunk and the first block are out
+                        process.terminate()
+        assert events[-1] == "[DONE]", log_path.read_text()[-2000:]
+        finish_reasons = [choice["finish_reason"] for event in events[:-1] for choice in json.loads(event)["choices"]]
+        assert finish_reasons[-1] == "length"
+        assert process.wait(timeout=30) == 0
+    finally:
+        _stop(process)
