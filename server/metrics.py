@@ -41,9 +41,9 @@ class _EngineGauges:
         pages = engine.scheduler.pages
         # len() of the scheduler's queues is atomic under the GIL; the engine thread may be mid-step
         yield GaugeMetricFamily(f"{PREFIX}num_requests_running", "Requests in the running batch.",
-                                value=len(engine.scheduler.running))
-        yield GaugeMetricFamily(f"{PREFIX}num_requests_waiting", "Requests queued for admission.",
-                                value=len(engine.scheduler.waiting))
+                                value=engine.num_running)
+        yield GaugeMetricFamily(f"{PREFIX}num_requests_waiting", "Requests queued for admission (those added during "
+                                "the running step included).", value=engine.num_waiting)
         yield GaugeMetricFamily(f"{PREFIX}kv_cache_usage_perc", "Fraction (0-1) of KV pages in use.",
                                 value=engine.kv_cache_usage)
         yield CounterMetricFamily(f"{PREFIX}prefix_cache_queries", "Prompt pages looked up in the prefix cache.",
