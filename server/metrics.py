@@ -83,6 +83,9 @@ class ServerMetrics:
     def observe_outputs(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
             self.generation_tokens.inc(len(output.new_token_ids))
+            first_block = output.new_token_ids and len(output.new_token_ids) == len(output.token_ids)
+            if first_block and output.stats.get("time_to_first_block_ms") is not None:  # as it happens, aborts too
+                self.ttft.observe(output.stats["time_to_first_block_ms"] / 1e3)
             if output.finished:
                 self._observe_finished(output)
 
@@ -100,7 +103,6 @@ class ServerMetrics:
         if "total_time_ms" in seconds:
             self.e2e.observe(seconds["total_time_ms"])
         if "time_to_first_block_ms" in seconds:
-            self.ttft.observe(seconds["time_to_first_block_ms"])
             if len(output.token_ids) > 1 and "total_time_ms" in seconds:
                 decode = seconds["total_time_ms"] - seconds["time_to_first_block_ms"]
                 self.tpot.observe(decode / (len(output.token_ids) - 1))
