@@ -149,8 +149,9 @@ def load_weights(model_dir: pathlib.Path, abstract_model: nnx.Module, weight_map
     loaded = {}
     for path, spec in weight_map.items():
         struct = params[path]
-        array = jnp.asarray(_assemble(path, spec, reader, struct.shape, np.dtype(struct.dtype)))
-        loaded[path] = convert(path, array) if convert else array
+        host = _assemble(path, spec, reader, struct.shape, np.dtype(struct.dtype))
+        # no name keeps the device copy: converted, it is freed before the next tensor is sent
+        loaded[path] = convert(path, jnp.asarray(host)) if convert else jnp.asarray(host)
         used |= _used_keys(spec)
     unexpected = sorted(reader.keys() - used - set(ignored_keys))
     if unexpected:

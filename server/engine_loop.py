@@ -97,7 +97,8 @@ class EngineLoop:
         except Exception as error:  # fail the waiting handlers instead of leaving them hanging
             logger.exception("the engine loop failed")
             self.ready, self.failure = False, error
-            self._loop.call_soon_threadsafe(self._fail_all, EngineFailed(f"the engine failed: {error}"))
+            if not self._stopping.is_set():
+                self._loop.call_soon_threadsafe(self._fail_all, EngineFailed(f"the engine failed: {error}"))
 
     def _serve(self, engine: LLMEngine) -> None:
         metrics = self._metrics
@@ -111,7 +112,7 @@ class EngineLoop:
             if engine.num_forwards != forwards:  # this step ran a decode round
                 forwards = engine.num_forwards
                 metrics.observe_forward_time(engine.last_forward_time)
-            if outputs:
+            if outputs and not self._stopping.is_set():  # once stopped, the server may close the event loop
                 self._loop.call_soon_threadsafe(self._route, outputs)
 
     def stop(self) -> None:

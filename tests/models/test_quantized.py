@@ -48,21 +48,27 @@ def test_engine_with_quantized_experts_runs_the_dequantized_model(checkpoints, m
 def test_experts_are_quantized_as_they_load(checkpoints, monkeypatch):
     """So a model whose experts fit the device only when quantized loads: at no point does the device hold two
     expert tensors at the checkpoint's width."""
+    from jaxllm import loader
     from jaxllm.models import llada2
 
     def unquantized_alive():  # 3-d float32 arrays: expert stacks at the checkpoint's width (this test's dtype)
         return sum(a.ndim == 3 and a.dtype == jnp.float32 for a in jax.live_arrays())
 
-    def watched(cfg, mode, path, value):
+    def watched(cfg, mode, path, value):  # just after a tensor's transfer
         counts.append(unquantized_alive() - before)
         return quantize_on_load(cfg, mode, path, value)
 
+    def assembling(*args, **kwargs):  # just before the next transfer
+        counts_between.append(unquantized_alive() - before)
+        return assemble(*args, **kwargs)
+
     gc.collect()  # earlier tests' engines
-    before, counts = unquantized_alive(), []
-    quantize_on_load = llada2.quantized
+    before, counts, counts_between = unquantized_alive(), [], []
+    quantize_on_load, assemble = llada2.quantized, loader._assemble
     monkeypatch.setattr(llada2, "quantized", watched)
+    monkeypatch.setattr(loader, "_assemble", assembling)
     LLM(checkpoints("llada2"), quantization="int8", **OPTIONS)
-    assert max(counts) == 1
+    assert max(counts) == 1 and max(counts_between) == 0
 
 
 def test_quantizing_a_dense_model_is_a_config_error(checkpoints):
