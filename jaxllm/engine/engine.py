@@ -316,7 +316,7 @@ class LLMEngine:
             new_token_ids = committed.get(request.request_id, [])
             num_token_ids = len(request.output_token_ids)
             new_text = self._detokenize(request)  # a stop string drops the ids after it
-            new_token_ids = new_token_ids[:len(new_token_ids) - (num_token_ids - len(request.output_token_ids))]
+            new_token_ids = new_token_ids[:max(0, len(new_token_ids) - (num_token_ids - len(request.output_token_ids)))]
             outputs.append(self._output(request, new_token_ids, new_text))
         return outputs
 
@@ -328,15 +328,15 @@ class LLMEngine:
         too, so token_ids and usage count what the text shows (the stop string's own tokens included)."""
         stops = request.params.stop
         text = self._text_of(request.output_token_ids)
-        cuts = [cut for cut in (text.find(stop) for stop in stops) if cut != -1]
+        cuts = {stop: text.find(stop) for stop in stops if stop in text}
         if cuts:
-            text = text[:min(cuts)]
-            # the shortest prefix of the ids whose text holds a stop string: bisect (containment grows with length)
+            first = min(cuts, key=cuts.get)  # the stop string that starts first cuts the text
+            text = text[:cuts[first]]
+            # the shortest prefix of the ids whose text holds it: bisect (containment grows with length)
             shortest, longest = 1, len(request.output_token_ids)
             while shortest < longest:
                 middle = (shortest + longest) // 2
-                prefix = self._text_of(request.output_token_ids[:middle])
-                if any(stop in prefix for stop in stops):
+                if first in self._text_of(request.output_token_ids[:middle]):
                     longest = middle
                 else:
                     shortest = middle + 1

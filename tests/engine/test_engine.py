@@ -157,6 +157,28 @@ def test_stop_string_trims_the_text(llm):
     assert stopped.token_ids == full.token_ids[:len(stopped.token_ids)] and len(stopped.token_ids) < 16
 
 
+def test_the_stop_string_that_starts_first_cuts_both_text_and_ids(llm):
+    """Two stop strings completed by one commit: the one that starts first (but is completed by a later token
+    than the other) cuts the text, and the ids end with the token that completes that same one."""
+    prompt, block = PROMPTS[2], OPTIONS["block_size"]
+    full = llm.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True))[0]
+    text, text_of = full.text, llm.engine._text_of
+
+    def tokens_to_complete(stop):
+        return next(n for n in range(1, len(full.token_ids) + 1) if stop in text_of(full.token_ids[:n]))
+
+    def commit(num_tokens):  # the first block holds the prompt's tail
+        return (num_tokens + len(prompt) % block - 1) // block
+
+    pairs = [(text[i:i + length], text[i + 1:i + 3]) for length in (6, 8, 10) for i in range(len(text) - length)]
+    first, inner = next((first, inner) for first, inner in pairs if text.find(first) < text.find(inner)
+                        and inner.strip() and tokens_to_complete(inner) < tokens_to_complete(first)
+                        and commit(tokens_to_complete(inner)) == commit(tokens_to_complete(first)))
+    stopped = llm.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True, stop=[inner, first]))[0]
+    assert stopped.finish_reason == "stop" and stopped.text == text[:text.find(first)]
+    assert stopped.token_ids == full.token_ids[:tokens_to_complete(first)]
+
+
 def test_text_that_may_begin_a_stop_string_is_held_back(llm):
     """A stop string longer than the first block's text, completed by the second block: nothing of it streams."""
     first_block = llm.generate([PROMPTS[2]], SamplingParams(max_tokens=4, ignore_eos=True))[0].text
