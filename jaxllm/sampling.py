@@ -10,6 +10,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxllm.kernels.top_k_top_p import filter_threshold, order_keys
+
 
 @dataclasses.dataclass
 class SamplingParams:
@@ -41,46 +43,6 @@ class SamplingParams:
             raise ValueError(f"seed must lie in [0, 2**32), got {self.seed}")
 
 
-def _order_keys(x):
-    """uint32 keys that order like the float32 values x (-0 and +0 alike, -inf lowest; x holds no NaN)."""
-    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-    bits = jnp.where(bits == jnp.uint32(1 << 31), jnp.uint32(0), bits)  # -0 as +0 (XLA simplifies away x + 0.0)
-    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
-
-
-def _largest_key(holds, num_rows):
-    """Per row, the largest uint32 t with holds(t), found four bits at a time from the top: holds maps candidates
-    u32[N, 15] to bool[N, 15], true for every t at or below a row's answer and false above it (a row where even
-    the smallest candidate fails gets 0). Fifteen candidates per step make 8 steps of one reduction each."""
-    answer = jnp.zeros((num_rows,), jnp.uint32)
-    digits = jnp.arange(1, 16, dtype=jnp.uint32)
-    for shift in range(28, -4, -4):
-        passed = holds(answer[:, None] | (digits << shift)[None, :])  # true for the digits up to this row's one
-        answer = answer | (jnp.sum(passed, axis=1, dtype=jnp.uint32) << shift)
-    return answer
-
-
-def _filter_threshold(logits, top_k, top_p):
-    """Key (see _order_keys) of each row's smallest kept logit under its top-k and top-p filters; 0 keeps all.
-
-    logits f32[N, V], top_k i32[N] (-1 off), top_p f32[N] (1 off). Top-k keeps the logits >= the k-th largest
-    (ties included); top-p keeps the smallest set of largest logits whose probability reaches top_p (ties at its
-    edge included). Both are thresholds found 4 bits at a time (8 steps of one count or mass reduction each)
-    rather than by sorting the vocabulary: XLA:GPU runs a sort as a library call, which cannot go into the CUDA
-    graph of the denoising loop's body, and a branch holding one splits that graph and costs the host a
-    round trip every forward.
-    """
-    num_rows, vocab = logits.shape
-    keys = _order_keys(logits)
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-    kth = _largest_key(lambda t: jnp.sum(keys[:, :, None] >= t[:, None, :], axis=1) >= k[:, None], num_rows)
-    probs = jax.nn.softmax(logits, axis=-1)
-    pth = _largest_key(lambda t: jnp.sum(jnp.where(keys[:, :, None] >= t[:, None, :], probs[:, :, None], 0.0),
-                                         axis=1) >= top_p[:, None], num_rows)
-    # top_p = 1 is off: float32 rounding of the mass must not cut the tail
-    return jnp.maximum(kth, jnp.where(top_p < 1.0, pth, jnp.uint32(0)))
-
-
 def _greedy_proposals(logits):
     """The argmax and its softmax probability, in two passes over the logits (argmax, then a sum of exponentials)."""
     candidates = jnp.argmax(logits, axis=-1)
@@ -105,9 +67,9 @@ def _sampled_proposals(logits, seeds, positions, steps, temperature, top_k, top_
     # the branches return one key per row, not the filtered logits: an identity branch would copy the logits
     threshold = jax.lax.cond(
         needs_filter,
-        lambda s: _filter_threshold(s.reshape(-1, vocab), rows(top_k), rows(top_p)).reshape(batch, window),
+        lambda s: filter_threshold(s.reshape(-1, vocab), rows(top_k), rows(top_p)).reshape(batch, window),
         lambda s: jnp.zeros((batch, window), jnp.uint32), scaled)
-    scaled = jnp.where(_order_keys(scaled) >= threshold[..., None], scaled, -jnp.inf)
+    scaled = jnp.where(order_keys(scaled) >= threshold[..., None], scaled, -jnp.inf)
 
     def gumbel_argmax(s):
         def one(seed, position, step, row):

@@ -1,0 +1,170 @@
+"""The thresholds of the top-k and top-p filters: per row of logits, the smallest logit each filter keeps.
+
+Top-k keeps the logits >= the k-th largest (ties included); top-p keeps the smallest set of largest logits whose
+probability reaches top_p (ties at its edge included). A threshold is returned as an order key (`order_keys`), so
+a row keeps exactly the logits whose key is >= it, and 0 keeps everything.
+
+reference  sort each row (XLA). On the GPU a sort is a library call, which cannot join the CUDA graph of the
+           denoising loop's body: a branch holding one splits each forward's graph and costs the host a round trip.
+kernel     each threshold is searched `bits` at a time from the top key bit: a step is one pass over the logits,
+           one program per (row, segment of `segment` logits), that counts (top-k) or sums the probability of
+           (top-p) the logits at or above each of the 2^bits - 1 candidates; XLA adds the segments' sums in a
+           fixed order and picks the digit. 32 / bits passes per filter a batch asks for; a row that does not
+           ask for a filter skips its passes (top_k = -1, top_p = 1). Segments keep the GPU busy at a few rows
+           (one program per row would leave most SMs idle at 32 rows) and depend on the vocabulary alone, so a
+           row's sums do not depend on its batch.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from jaxllm.kernels import is_power_of_two
+
+
+def order_keys(x):
+    """uint32 keys that order like the float32 values x (-0 and +0 alike, -inf lowest; x holds no NaN)."""
+    bits = lax.bitcast_convert_type(x, jnp.uint32)
+    bits = jnp.where(bits == jnp.uint32(1 << 31), jnp.uint32(0), bits)  # -0 as +0 (XLA simplifies away x + 0.0)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def filter_threshold_reference(logits, top_k, top_p):
+    """logits f32[N, V], top_k i32[N] (-1 off), top_p f32[N] (1 off) -> u32[N] threshold keys, by sorting."""
+    vocab = logits.shape[-1]
+    sorted_desc = -jnp.sort(-logits, axis=-1)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)[:, 0]
+    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs  # probability above each sorted entry
+    nucleus_size = jnp.sum(mass_before < top_p[:, None], axis=-1)  # the smallest prefix whose mass reaches top_p
+    pth = jnp.take_along_axis(sorted_desc, (nucleus_size - 1)[:, None], axis=-1)[:, 0]
+    # top_p = 1 is off: float32's cumulative mass reaches 1 before the tail ends and would cut it
+    return jnp.maximum(order_keys(kth), jnp.where(top_p < 1.0, order_keys(pth), jnp.uint32(0)))
+
+
+def _load(logits_ref, row, seg, i, chunk, segment):
+    """Chunk i of a row's segment, -inf past the vocabulary's end, and which of its logits are in the vocabulary."""
+    start = seg * segment + i * chunk
+    valid = start + lax.iota(jnp.int32, chunk) < logits_ref.shape[1]
+    return pltriton.load(logits_ref.at[row, pl.ds(start, chunk)], mask=valid, other=-jnp.inf), valid
+
+
+def _segment_maximum_kernel(logits_ref, maximum_ref, *, chunk, segment):
+    row, seg = pl.program_id(0), pl.program_id(1)
+
+    def step(i, lanes):
+        return jnp.maximum(lanes, _load(logits_ref, row, seg, i, chunk, segment)[0])
+
+    lanes = lax.fori_loop(0, segment // chunk, step, jnp.full((chunk,), -jnp.inf, jnp.float32))
+    maximum_ref[row * pl.num_programs(1) + seg] = jnp.max(lanes)
+
+
+def _segment_sums_kernel(logits_ref, active_ref, shift_ref, candidates_ref, sums_ref, *, chunk, segment,
+                         num_candidates, weighted):
+    """For each candidate key c: the sum over the segment's logits with key >= c of 1 (a count) or, weighted,
+    exp(logit - shift). One [chunk] accumulator per candidate: a [chunk, candidates] one would make Triton move
+    every step's keys through shared memory, with barriers, to match its layout."""
+    row, seg = pl.program_id(0), pl.program_id(1)
+    candidates = [candidates_ref[row * num_candidates + c] for c in range(num_candidates)]
+    shift = shift_ref[row]
+
+    def accumulate(i, sums):
+        x, valid = _load(logits_ref, row, seg, i, chunk, segment)
+        keys = order_keys(x)
+        weights = jnp.exp(x - shift) if weighted else jnp.ones_like(x)
+        return tuple(s + jnp.where((keys >= c) & valid, weights, 0.0) for s, c in zip(sums, candidates))
+
+    # a row that does not ask for this filter (active 0, else 1) skips the pass and sums to 0; a multiply: a
+    # jnp.where here became a loop bound Triton's verifier rejects (typed i1)
+    steps = active_ref[row] * (segment // chunk)
+    sums = lax.fori_loop(0, steps, accumulate, tuple(jnp.zeros((chunk,), jnp.float32) for _ in candidates))
+    for c, s in enumerate(sums):
+        sums_ref[(row * pl.num_programs(1) + seg) * num_candidates + c] = jnp.sum(s)
+
+
+def _filter_threshold_pallas(logits, top_k, top_p, *, chunk, segment, bits, interpret):
+    num_rows, vocab = logits.shape
+    num_segments = pl.cdiv(vocab, segment)
+    raw = pl.BlockSpec(memory_space=pl.ANY)
+
+    def call(kernel, out_size, *operands, **params):
+        return pl.pallas_call(
+            functools.partial(kernel, chunk=chunk, segment=segment, **params),
+            out_shape=jax.ShapeDtypeStruct((out_size,), jnp.float32),
+            grid=(num_rows, num_segments),
+            in_specs=[raw] * len(operands),
+            out_specs=raw,
+            compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+            interpret=interpret,
+            name="top_k_top_p_" + kernel.__name__.strip("_").removesuffix("_kernel"),
+        )(*operands)
+
+    def in_order_sum(partials):
+        """[N, segments, C] -> [N, C], segments added one after another: each row's sums depend on that row alone
+        (a reduction's order may change with the number of rows), so a request draws the same in any batch."""
+        return functools.reduce(jnp.add, (partials[:, s] for s in range(num_segments)))
+
+    def segment_sums(active, shift, candidates, weighted):
+        partials = call(_segment_sums_kernel, num_rows * num_segments * candidates.shape[1], logits,
+                        active.astype(jnp.int32), shift, candidates.reshape(-1), num_candidates=candidates.shape[1],
+                        weighted=weighted)
+        return in_order_sum(partials.reshape(num_rows, num_segments, candidates.shape[1]))
+
+    def largest_key(active, shift, weighted, enough, with_all=False):
+        """Per row, the largest key t with enough(sum at or above t), decided `bits` at a time from the top bit:
+        one pass over the row per step, against the 2^bits - 1 candidates that extend the answer so far. enough
+        holds for the candidates up to the answer's own digit, so their count is that digit. with_all adds key 0
+        (everything) to the first pass and hands its sum to enough."""
+        answer = jnp.zeros((num_rows,), jnp.uint32)
+        digits = jnp.arange(1, 1 << bits, dtype=jnp.uint32)
+        everything = None
+        for shift_bits in range(32 - bits, -1, -bits):
+            candidates = answer[:, None] | (digits << shift_bits)[None, :]
+            if with_all and everything is None:
+                sums = segment_sums(active, shift, jnp.pad(candidates, ((0, 0), (1, 0))), weighted)
+                everything, sums = sums[:, 0], sums[:, 1:]
+            else:
+                sums = segment_sums(active, shift, candidates, weighted)
+            passed = enough(sums, everything)
+            answer = answer | (jnp.sum(passed, axis=1, dtype=jnp.uint32) << shift_bits)
+        return jnp.where(active, answer, jnp.uint32(0))
+
+    maximum = jnp.max(call(_segment_maximum_kernel, num_rows * num_segments, logits).reshape(num_rows, -1), axis=1)
+    maximum = jnp.where(jnp.isfinite(maximum), maximum, 0.0)  # a row of -inf has no exponent to subtract
+    # counts of up to 2^24 are exact in float32
+    kth = largest_key((top_k > 0) & (top_k < vocab), maximum, False,
+                      lambda count, _: count >= top_k.astype(jnp.float32)[:, None])
+    # top_p = 1 is off: float32's cumulative mass reaches 1 before the tail ends and would cut it
+    pth = largest_key(top_p < 1.0, maximum, True, lambda mass, total: mass >= (top_p * total)[:, None],
+                      with_all=True)
+    return jnp.maximum(kth, pth)
+
+
+def filter_threshold(logits, top_k, top_p, *, impl="auto", chunk=1024, segment=8192, bits=4, interpret=False):
+    """logits f32[N, V], top_k i32[N] (-1 off), top_p f32[N] (1 off) -> u32[N]: the key of each row's smallest
+    kept logit (see order_keys); 0 keeps all.
+
+    impl: "auto" (the kernel where the computation is lowered for a CUDA GPU, the sort elsewhere: chosen at
+    lowering time), "pallas" or "reference". chunk: logits per step of a program (a power of two); segment:
+    logits per program (a power-of-two multiple of chunk); bits: key bits decided per pass (1, 2 or 4): fewer
+    passes against more candidates per logit.
+    """
+    if not (is_power_of_two(chunk) and is_power_of_two(segment) and segment >= chunk) or bits not in (1, 2, 4):
+        # 8 bits: 255 accumulators per thread would spill
+        raise ValueError(f"chunk and segment must be powers of two with segment >= chunk, and bits one of 1, 2, 4; "
+                         f"got {chunk}, {segment} and {bits}")
+    if logits.size >= 2**31:  # the kernel's offsets are 32-bit
+        raise ValueError(f"{logits.shape} logits exceed the kernel's 32-bit offsets")
+    pallas = functools.partial(_filter_threshold_pallas, chunk=chunk, segment=segment, bits=bits, interpret=interpret)
+    if impl == "auto":
+        return lax.platform_dependent(logits, top_k, top_p, cuda=pallas, default=filter_threshold_reference)
+    if impl == "pallas":
+        return pallas(logits, top_k, top_p)
+    if impl == "reference":
+        return filter_threshold_reference(logits, top_k, top_p)
+    raise ValueError(f"unknown filter impl {impl!r}; use 'auto', 'pallas' or 'reference'")

@@ -1,0 +1,101 @@
+"""The top-k / top-p thresholds: the Pallas kernel (interpret mode) and the sorting reference against a float64
+definition, over ties, masked ids, vocabularies that end mid-chunk and every search width."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh
+
+from jaxllm.kernels.top_k_top_p import filter_threshold, order_keys
+
+
+def _kept(thresholds, logits, top_k, top_p):
+    logits = jnp.asarray(logits, jnp.float32)
+    threshold = thresholds(logits, jnp.asarray(top_k, jnp.int32), jnp.asarray(top_p, jnp.float32))
+    return np.asarray(order_keys(logits) >= threshold[:, None])
+
+
+def _kept_by_sorting(row, top_k, top_p):
+    """The filters' definition, by sorting in float64."""
+    order = np.sort(row)[::-1]
+    kth = order[min(top_k, len(row)) - 1] if top_k > 0 else -np.inf
+    probs = np.exp(order - order.max()) / np.exp(order - order.max()).sum()
+    mass_before = np.cumsum(probs) - probs
+    pth = order[np.sum(mass_before < top_p) - 1] if top_p < 1.0 else -np.inf
+    return row >= max(kth, pth)
+
+
+def testorder_keys_order_like_the_floats_with_both_zeros_alike():
+    values = jnp.asarray([-jnp.inf, -3.5, -1e-30, -0.0, 0.0, 1e-30, 2.0, jnp.inf], jnp.float32)
+    for keys_of in (order_keys, jax.jit(order_keys)):  # under jit XLA drops an x + 0.0
+        keys = np.asarray(keys_of(values)).astype(np.int64)
+        assert keys[3] == keys[4] and (np.diff(np.delete(keys, 3)) > 0).all()
+
+
+# segments of 128 over 300 logits: the last one part-filled, its last chunk wholly past the vocabulary's end
+IMPLS = [dict(impl="reference")] + [dict(impl="pallas", interpret=True, chunk=64, segment=128, bits=bits)
+                                    for bits in (1, 2, 4)]
+
+
+@pytest.mark.parametrize("kwargs", IMPLS, ids=lambda kw: kw["impl"] + str(kw.get("bits", "")))
+def test_filters_keep_what_sorting_keeps(kwargs):
+    thresholds = jax.jit(functools.partial(filter_threshold, **kwargs))  # one compilation for the four cases
+    rng = np.random.default_rng(6)
+    ties = rng.integers(-4, 4, size=(4, 300)).astype(np.float32)  # many equal logits at every k
+    ties[:, :10] = -np.inf  # masked ids
+    spread = (rng.normal(size=(4, 300)) * 3).astype(np.float32)
+    spread[3, ::7] = -np.inf
+    for rows, top_k, top_p in ((ties, [1, 7, 50, -1], [1.0] * 4), (spread, [-1] * 4, [0.01, 0.5, 0.9, 0.999]),
+                               (spread, [3, 40, -1, 300], [0.9, 0.3, 1.0, 0.6]), (ties, [-1, 290, 2, 1000], [0.2] * 4)):
+        kept = _kept(thresholds, rows, top_k, top_p)
+        for row, row_kept, k, p in zip(rows, kept, top_k, top_p):
+            np.testing.assert_array_equal(row_kept, _kept_by_sorting(row, k, p), err_msg=f"top_k={k} top_p={p}")
+
+
+@pytest.mark.parametrize("kwargs", IMPLS[:1] + [dict(impl="pallas", interpret=True)], ids=["reference", "pallas"])
+def test_top_p_of_one_keeps_the_whole_distribution(kwargs):
+    """A row with top_p = 1 beside a row that filters keeps its tail: float32's cumulative mass reaches 1 early."""
+    logits = np.random.default_rng(4).normal(size=(2, 32768)) * 4
+    kept = _kept(jax.jit(functools.partial(filter_threshold, **kwargs)), logits, [-1, 50], [1.0, 1.0])
+    assert kept[0].all() and kept[1].sum() == 50
+
+
+def test_auto_runs_the_sort_off_the_gpu_and_the_kernel_on_it():
+    logits = jax.ShapeDtypeStruct((64, 157184), jnp.float32)
+    settings = (jax.ShapeDtypeStruct((64,), jnp.int32), jax.ShapeDtypeStruct((64,), jnp.float32))
+    here = jax.jit(filter_threshold).trace(logits, *settings).lower().as_text()
+    assert "stablehlo.sort" in here and "triton" not in here
+    mesh = AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu",
+                                                               num_cores=132))
+    with jax.sharding.use_abstract_mesh(mesh):
+        gpu = jax.jit(filter_threshold).trace(logits, *settings).lower(lowering_platforms=("cuda",)).as_text()
+    # the maximum's pass, then 32 / 4 passes per filter (bits=4)
+    assert "stablehlo.sort" not in gpu and gpu.count("__gpu$xla.gpu.triton") == 1 + 2 * 8
+
+
+def test_a_rows_thresholds_do_not_depend_on_its_batch():
+    """Each row's sums are its segments' sums added in one order, whatever the number of rows: a seeded request's
+    nucleus (and so its draws) must not change with the requests batched beside it."""
+    rng = np.random.default_rng(9)
+    logits = jnp.asarray(rng.normal(size=(5, 1000)) * 2, jnp.float32)
+    top_k, top_p = jnp.asarray([-1, 30, -1, 500, 7], jnp.int32), jnp.asarray([0.9, 0.5, 0.999, 1.0, 0.3], jnp.float32)
+    thresholds = jax.jit(functools.partial(filter_threshold, impl="pallas", interpret=True, chunk=64, segment=256))
+    together = np.asarray(thresholds(logits, top_k, top_p))
+    for row in range(5):
+        alone = thresholds(logits[row:row + 1], top_k[row:row + 1], top_p[row:row + 1])
+        assert int(alone[0]) == together[row], f"row {row}"
+
+
+def test_rejects_bad_settings():
+    logits, top_k, top_p = jnp.zeros((2, 8)), jnp.ones(2, jnp.int32), jnp.ones(2)
+    with pytest.raises(ValueError, match="powers of two"):
+        filter_threshold(logits, top_k, top_p, chunk=100)
+    with pytest.raises(ValueError, match="segment >= chunk"):
+        filter_threshold(logits, top_k, top_p, chunk=1024, segment=512)
+    with pytest.raises(ValueError, match="bits"):
+        filter_threshold(logits, top_k, top_p, bits=8)
+    with pytest.raises(ValueError, match="impl"):
+        filter_threshold(logits, top_k, top_p, impl="cuda")
