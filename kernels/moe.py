@@ -579,8 +579,9 @@ def _moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, *, fp8
     return out.astype(x.dtype)
 
 
-def _default_impl():
-    return "pallas" if jax.default_backend() == "gpu" else "reference"
+def _default_impl(hidden, inter):
+    """Pallas on the GPU where both widths take a power-of-two tile >= 16 (`_fit_block`), the reference elsewhere."""
+    return "pallas" if jax.default_backend() == "gpu" and hidden % 16 == 0 and inter % 16 == 0 else "reference"
 
 
 @functools.partial(jax.named_call, name="moe_experts")
@@ -589,7 +590,8 @@ def moe_experts(x, expert_ids, expert_weights, w_gate_up, w_down, *, impl="auto"
     """Routed SwiGLU experts. Shapes in the module docstring; returns [T, H] in x's dtype.
 
     Args:
-      impl: "pallas", "reference", or "auto" (Pallas on GPU, the reference elsewhere).
+      impl: "pallas", "reference", or "auto" (Pallas on the GPU for widths that are multiples of 16, the reference
+        elsewhere).
       interpret: run the Pallas kernels in interpret mode (CPU tests).
       fp8_activations: with fp8 weights, quantize activations per row to e4m3 and run fp8 x fp8 GEMMs;
         otherwise quantized weights are up-cast in-kernel to x's dtype. Either way 1-byte weights run fastest
@@ -597,7 +599,7 @@ def moe_experts(x, expert_ids, expert_weights, w_gate_up, w_down, *, impl="auto"
       tiles: a MoeTiles for the Pallas kernels; None picks `default_tiles` by shape.
     """
     _check_inputs(x, expert_ids, expert_weights, w_gate_up, w_down, fp8_activations)
-    impl = _default_impl() if impl == "auto" else impl
+    impl = _default_impl(x.shape[1], w_gate_up.shape[2] // 2) if impl == "auto" else impl
     if impl == "reference":
         return moe_experts_reference(x, expert_ids, expert_weights, w_gate_up, w_down, fp8_activations=fp8_activations)
     if impl == "pallas":

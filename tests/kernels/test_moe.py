@@ -114,6 +114,21 @@ def test_reference_matches_per_token_loop():
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+def test_auto_runs_widths_the_kernels_cannot_tile_in_xla_on_the_gpu(monkeypatch):
+    """Widths with no power-of-two tile >= 16 (hidden 24, inter 20): on the GPU "auto" must take the reference,
+    not fail to build the kernels' tiles."""
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(5, 24)).astype(np.float32)
+    ids = _routing(rng, 5, 2, 4, "random").astype(np.int32)
+    weights = rng.uniform(0.1, 1.0, size=(5, 2)).astype(np.float32)
+    w_gate_up = (rng.normal(size=(4, 24, 40)) / np.sqrt(24)).astype(np.float32)
+    w_down = (rng.normal(size=(4, 20, 24)) / np.sqrt(20)).astype(np.float32)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    out = moe_experts(*map(jnp.asarray, (x, ids, weights, w_gate_up, w_down)))
+    np.testing.assert_allclose(np.asarray(out), _numpy_experts(x, ids, weights, w_gate_up, w_down), rtol=1e-5,
+                               atol=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------- kernel sweep
 
 def _routing(rng, num_tokens, top_k, num_experts, pattern):
