@@ -8,6 +8,24 @@ from safetensors.numpy import load_file, save_file
 from tools.make_checkpoint import make_checkpoint
 
 
+@pytest.fixture(autouse=True, scope="session")
+def triton_modules_are_verified():
+    """Each Pallas kernel a test lowers for the GPU passes Triton's MLIR verifier here, on the CPU: an invalid module
+    (session 10: a loop bound typed i1) would otherwise fail only when the GPU machine compiles it."""
+    from jax._src.pallas.triton import lowering  # private, and the one place that builds the module
+
+    lower = lowering.lower_jaxpr_to_triton_module
+
+    def lower_and_verify(*args, **kwargs):
+        result = lower(*args, **kwargs)
+        result.module.operation.verify()  # raises MLIRError, naming the op, on an invalid module
+        return result
+
+    lowering.lower_jaxpr_to_triton_module = lower_and_verify
+    yield
+    lowering.lower_jaxpr_to_triton_module = lower
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
     """checkpoints(arch, dtype="f32", lm_head_scale=1, **overrides) -> a tiny checkpoint directory, cached.
