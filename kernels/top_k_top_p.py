@@ -9,8 +9,9 @@ reference  sort each row (XLA). On the GPU a sort is a library call, which canno
 kernel     each threshold is searched `bits` at a time from the top key bit: a step is one pass over the logits,
            one program per (row, segment of `segment` logits), that counts (top-k) or sums the probability of
            (top-p) the logits at or above each of the 2^bits - 1 candidates; XLA adds the segments' sums in a
-           fixed order and picks the digit. 32 / bits passes per filter a batch asks for; a row that does not
-           ask for a filter skips its passes (top_k = -1, top_p = 1). Segments keep the GPU busy at a few rows
+           fixed order and picks the digit. One pass for the maximum, then 32 / bits per filter: every pass
+           launches, and a row that does not ask for a filter (top_k = -1, top_p = 1) skips that filter's
+           passes' work (an empty program). Segments keep the GPU busy at a few rows
            (one program per row would leave most SMs idle at 32 rows) and depend on the vocabulary alone, so a
            row's sums do not depend on its batch.
 """
@@ -41,10 +42,15 @@ def filter_threshold_reference(logits, top_k, top_p):
     kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)[:, 0]
     probs = jax.nn.softmax(sorted_desc, axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs  # probability above each sorted entry
-    nucleus_size = jnp.sum(mass_before < top_p[:, None], axis=-1)  # the smallest prefix whose mass reaches top_p
+    # the smallest prefix whose mass reaches top_p; at least the top logit (a row holding +inf has NaN masses, and
+    # keeps its +inf logits, as the kernel does)
+    nucleus_size = jnp.maximum(jnp.sum(mass_before < top_p[:, None], axis=-1), 1)
     pth = jnp.take_along_axis(sorted_desc, (nucleus_size - 1)[:, None], axis=-1)[:, 0]
     # top_p = 1 is off: float32's cumulative mass reaches 1 before the tail ends and would cut it
     return jnp.maximum(order_keys(kth), jnp.where(top_p < 1.0, order_keys(pth), jnp.uint32(0)))
+
+
+_OFFSET_LIMIT = 2**31  # the kernels' offsets into the logits are int32
 
 
 def _load(logits_ref, row, seg, i, chunk, segment):
@@ -89,6 +95,16 @@ def _segment_sums_kernel(logits_ref, active_ref, shift_ref, candidates_ref, sums
 
 def _filter_threshold_pallas(logits, top_k, top_p, *, chunk, segment, bits, interpret):
     num_rows, vocab = logits.shape
+    # offsets past _OFFSET_LIMIT (a row's last segment reaches up to `segment` past the vocabulary) run as blocks
+    # of rows, each row's result the same in any block
+    rows_per_call = (_OFFSET_LIMIT - segment) // vocab
+    if rows_per_call == 0:
+        raise ValueError(f"a vocabulary of {vocab} exceeds the kernel's 32-bit offsets")
+    if num_rows > rows_per_call:
+        blocks = [slice(start, start + rows_per_call) for start in range(0, num_rows, rows_per_call)]
+        return jnp.concatenate([_filter_threshold_pallas(logits[rows], top_k[rows], top_p[rows], chunk=chunk,
+                                                         segment=segment, bits=bits, interpret=interpret)
+                                for rows in blocks])
     num_segments = pl.cdiv(vocab, segment)
     raw = pl.BlockSpec(memory_space=pl.ANY)
 
@@ -158,8 +174,6 @@ def filter_threshold(logits, top_k, top_p, *, impl="auto", chunk=1024, segment=8
         # 8 bits: 255 accumulators per thread would spill
         raise ValueError(f"chunk and segment must be powers of two with segment >= chunk, and bits one of 1, 2, 4; "
                          f"got {chunk}, {segment} and {bits}")
-    if logits.size >= 2**31:  # the kernel's offsets are 32-bit
-        raise ValueError(f"{logits.shape} logits exceed the kernel's 32-bit offsets")
     pallas = functools.partial(_filter_threshold_pallas, chunk=chunk, segment=segment, bits=bits, interpret=interpret)
     if impl == "auto":
         return lax.platform_dependent(logits, top_k, top_p, cuda=pallas, default=filter_threshold_reference)

@@ -1,11 +1,15 @@
 """The on-device proposal: filters, greedy ties, and per-request seeded draws."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
+from jaxllm import sampling
+from jaxllm.kernels.top_k_top_p import filter_threshold
 from jaxllm.sampling import SamplingParams, propose
 
 
@@ -50,10 +54,15 @@ def test_a_seed_gives_the_same_draws_in_any_batch_slot():
     assert (np.asarray(other[0]) != np.asarray(alone[0])).any()
 
 
-def test_a_filtering_request_gets_the_same_proposals_in_any_batch():
+@pytest.mark.parametrize("filters", ["auto", "kernel"])
+def test_a_filtering_request_gets_the_same_proposals_in_any_batch(filters, monkeypatch):
     """Each request's top_p equals the float32 mass of a prefix of its first row, the edge where two ways of
     summing disagree: its proposals and their confidences (the nucleus is their denominator) must not depend on how
-    many rows the batch holds (a choice of filter method by batch size broke this)."""
+    many rows the batch holds (a choice of filter method by batch size broke this). "auto" is the platform's
+    filter (the sort off the GPU, the kernel on it); "kernel" the Pallas kernel everywhere (interpret mode on CPU)."""
+    if filters == "kernel":
+        monkeypatch.setattr(sampling, "filter_threshold", functools.partial(
+            filter_threshold, impl="pallas", interpret=jax.default_backend() != "gpu", chunk=256, segment=1024))
     rng = np.random.default_rng(8)
     batch, window, vocab = 8, 32, 4096
     logits = (rng.normal(size=(batch, window, vocab)) * 3).astype(np.float32)
@@ -62,8 +71,10 @@ def test_a_filtering_request_gets_the_same_proposals_in_any_batch():
     top_p = mass[np.arange(batch), rng.integers(1, 200, batch)].astype(np.float32)
     positions = np.tile(np.arange(window, dtype=np.int32), (batch, 1))
 
+    propose_jitted = jax.jit(lambda *args: propose(*args))  # its own cache: the other case's filter is not reused
+
     def proposals(rows):
-        return propose(jnp.asarray(logits[rows]), jnp.asarray(rows, jnp.uint32), jnp.asarray(positions[rows]),
+        return propose_jitted(jnp.asarray(logits[rows]), jnp.asarray(rows, jnp.uint32), jnp.asarray(positions[rows]),
                        jnp.zeros((len(rows), window), jnp.int32), jnp.ones(len(rows)), jnp.full(len(rows), -1),
                        jnp.asarray(top_p[rows]))
 
@@ -118,7 +129,8 @@ def test_propose_lowers_for_the_gpu_without_a_sort(batch):
     with jax.sharding.use_abstract_mesh(mesh):
         text = jax.jit(propose).trace(*(jax.ShapeDtypeStruct(*s) for s in shapes)).lower(
             lowering_platforms=("cuda",)).as_text()
-    assert "stablehlo.sort" not in text and text.count("__gpu$xla.gpu.triton") == 1 + 2 * 8
+    assert "stablehlo.sort" not in text
+    assert text.count("stablehlo.custom_call") == text.count("__gpu$xla.gpu.triton") == 1 + 2 * 8
 
 
 @pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(temperature=-1), dict(top_k=0), dict(top_p=0.0),

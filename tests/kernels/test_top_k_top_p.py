@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
+from jaxllm.kernels import top_k_top_p
 from jaxllm.kernels.top_k_top_p import filter_threshold, order_keys
 
 
@@ -28,7 +29,7 @@ def _kept_by_sorting(row, top_k, top_p):
     return row >= max(kth, pth)
 
 
-def testorder_keys_order_like_the_floats_with_both_zeros_alike():
+def test_order_keys_order_like_the_floats_with_both_zeros_alike():
     values = jnp.asarray([-jnp.inf, -3.5, -1e-30, -0.0, 0.0, 1e-30, 2.0, jnp.inf], jnp.float32)
     for keys_of in (order_keys, jax.jit(order_keys)):  # under jit XLA drops an x + 0.0
         keys = np.asarray(keys_of(values)).astype(np.int64)
@@ -87,6 +88,38 @@ def test_a_rows_thresholds_do_not_depend_on_its_batch():
     for row in range(5):
         alone = thresholds(logits[row:row + 1], top_k[row:row + 1], top_p[row:row + 1])
         assert int(alone[0]) == together[row], f"row {row}"
+
+
+def test_more_logits_than_int32_offsets_reach_run_as_blocks_of_rows(monkeypatch):
+    """Rows past the kernels' int32 offsets run in further calls, each row's threshold as in one call; the sort
+    (off the GPU) has no such limit. A batch of 16384 windows' rows lowers for either."""
+    rng = np.random.default_rng(12)
+    logits = jnp.asarray(rng.normal(size=(7, 300)) * 2, jnp.float32)
+    top_k, top_p = jnp.asarray([-1, 5, 40, -1, 3, -1, 90], jnp.int32), jnp.full((7,), 0.8, jnp.float32)
+    thresholds = functools.partial(filter_threshold, impl="pallas", interpret=True, chunk=64, segment=128)
+    whole = np.asarray(jax.jit(thresholds)(logits, top_k, top_p))
+    monkeypatch.setattr(top_k_top_p, "_OFFSET_LIMIT", 3 * 300 + 128)  # 3 rows per call: blocks of 3, 3 and 1
+    np.testing.assert_array_equal(np.asarray(jax.jit(thresholds)(logits, top_k, top_p)), whole)
+    monkeypatch.undo()
+
+    logits = jax.ShapeDtypeStruct((16384, 157184), jnp.float32)  # 2.6e9 logits, 13662 rows per call
+    settings = (jax.ShapeDtypeStruct((16384,), jnp.int32), jax.ShapeDtypeStruct((16384,), jnp.float32))
+    assert "stablehlo.sort" in jax.jit(filter_threshold).trace(logits, *settings).lower().as_text()
+    mesh = AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu",
+                                                               num_cores=132))
+    with jax.sharding.use_abstract_mesh(mesh):
+        gpu = jax.jit(filter_threshold).trace(logits, *settings).lower(lowering_platforms=("cuda",)).as_text()
+    assert gpu.count("__gpu$xla.gpu.triton") == 2 * (1 + 2 * 8)
+
+
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
+def test_a_row_holding_inf_keeps_its_inf_logits_under_top_p(impl):
+    """A temperature near 0 can scale a logit to +inf: its softmax is NaN, and the row keeps its +inf logits."""
+    row = np.random.default_rng(2).normal(size=(1, 300)).astype(np.float32)
+    row[0, [17, 200]] = np.inf
+    kwargs = dict(impl=impl) if impl == "reference" else dict(impl=impl, interpret=True, chunk=64, segment=128)
+    kept = _kept(jax.jit(functools.partial(filter_threshold, **kwargs)), row, [-1], [0.5])
+    np.testing.assert_array_equal(np.flatnonzero(kept[0]), [17, 200])
 
 
 def test_rejects_bad_settings():
