@@ -25,7 +25,6 @@ class MoEConfig:
     n_group: int
     topk_group: int
     routed_scaling_factor: float
-    norm_topk_prob: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,11 +48,14 @@ class ModelConfig:
     moe: MoEConfig | None = None
 
 
-def transformer_config(hf_config: dict, model_type: str, *, rope_theta: float, partial_rotary_factor: float,
-                       block_size: int, moe: MoEConfig | None = None) -> ModelConfig:
+def transformer_config(hf_config: dict, model_type: str, *, partial_rotary_factor: float, block_size: int,
+                       moe: MoEConfig | None = None) -> ModelConfig:
     """The fields every supported decoder reads the same way; the defaults are the model family's."""
     def field(name):
         return hf_field(hf_config, name, model_type)
+
+    if hf_config.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"hidden_act {hf_config['hidden_act']!r} is not supported: the MLPs are SwiGLU (silu)")
 
     scaling = {**(hf_config.get("rope_parameters") or {}), **(hf_config.get("rope_scaling") or {})}
     rope_type = scaling.get("rope_type") or scaling.get("type")
@@ -72,11 +74,12 @@ def transformer_config(hf_config: dict, model_type: str, *, rope_theta: float, p
         head_dim=head_dim,
         intermediate_size=field("intermediate_size"),
         rms_norm_eps=field("rms_norm_eps"),
-        rope_theta=rope_field(hf_config, "rope_theta", rope_theta),
+        # required: the families' config classes default it differently from their released checkpoints
+        rope_theta=rope_field(hf_config, "rope_theta", model_type=model_type),
         rotary_dim=int(head_dim * rope_field(hf_config, "partial_rotary_factor", partial_rotary_factor)),
         tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
         max_position_embeddings=field("max_position_embeddings"),
-        default_block_size=int(hf_config.get("block_size", block_size)),
+        default_block_size=int(hf_config.get("block_size") or block_size),  # null: the family's
         eos_token_ids=eos_ids(hf_config),
         mask_token_id=hf_config.get("mask_token_id"),
         moe=moe,
@@ -91,10 +94,14 @@ def hf_field(hf_config: dict, name: str, model_type: str, *aliases: str):
     raise ConfigError(f"config.json lacks field {name!r}, which a {model_type!r} checkpoint needs")
 
 
-def rope_field(hf_config: dict, name: str, default: float) -> float:
-    """RoPE settings sit at the top level (older exports) or in `rope_parameters` (transformers 5)."""
+def rope_field(hf_config: dict, name: str, default: float | None = None, *, model_type: str = "") -> float:
+    """RoPE settings sit at the top level (older exports) or in `rope_parameters` (transformers 5); without a
+    default the field is required."""
     nested = hf_config.get("rope_parameters") or {}
-    return float(hf_config.get(name) or nested.get(name) or default)
+    value = hf_config.get(name) or nested.get(name) or default
+    if value is None:
+        raise ConfigError(f"config.json lacks field {name!r}, which a {model_type!r} checkpoint needs")
+    return float(value)
 
 
 def eos_ids(hf_config: dict) -> tuple[int, ...]:

@@ -74,7 +74,11 @@ class SafetensorsReader:
             key_to_file = {}
             for file in files:
                 with safe_open(file, framework="np") as handle:
-                    key_to_file |= {key: file.name for key in handle.keys()}
+                    for key in handle.keys():
+                        if key in key_to_file:  # a leftover copy: which one is the checkpoint is not ours to guess
+                            raise CheckpointError(f"tensor {key!r} is in both {key_to_file[key]} and {file.name} "
+                                                  f"(and {model_dir} has no model.safetensors.index.json)")
+                        key_to_file[key] = file.name
         self._handles = {name: safe_open(model_dir / name, framework="np") for name in set(key_to_file.values())}
         self._key_to_file = key_to_file
         self.model_dir = model_dir

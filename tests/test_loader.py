@@ -97,6 +97,8 @@ def test_an_unsupported_model_type_is_named(sdar_dir):
     ("llada2", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 6e5, "factor": 4.0}}, "RoPE scaling 'yarn'"),
     ("llada2", {"expert_capacity": 48}, "block routing"),
     ("llada2", {"norm_head": True}, "norm_head"),
+    ("sdar", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ("llada2", {"hidden_act": "gelu_pytorch_tanh"}, "hidden_act 'gelu_pytorch_tanh'"),
 ])
 def test_settings_the_models_do_not_implement_are_refused(checkpoints, tmp_path, arch, setting, message):
     """Loading them anyway would give a model that runs and is silently wrong."""
@@ -104,6 +106,33 @@ def test_settings_the_models_do_not_implement_are_refused(checkpoints, tmp_path,
     (tmp_path / "config.json").write_text(json.dumps(config | setting))
     with pytest.raises(ConfigError, match=message):
         model_config(tmp_path)
-    plain = config | {"rope_scaling": None, "expert_capacity": 0, "norm_head": False}
+    plain = config | {"rope_scaling": None, "expert_capacity": 0, "norm_head": False, "hidden_act": "silu"}
     (tmp_path / "config.json").write_text(json.dumps(plain))
     model_config(tmp_path)
+
+
+@pytest.mark.parametrize(("arch", "field"), [("sdar", "rope_theta"), ("llada2", "rope_theta"), ("llada2", "n_group"),
+                                             ("llada2", "topk_group"), ("llada2", "routed_scaling_factor")])
+def test_fields_whose_defaults_differ_across_the_family_are_required(checkpoints, tmp_path, arch, field):
+    """A guessed default would load a model that runs and is silently wrong (the config classes disagree)."""
+    config = json.loads((checkpoints(arch) / "config.json").read_text())
+    del config[field]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=f"lacks field '{field}'"):
+        model_config(tmp_path)
+
+
+def test_a_null_block_size_means_the_familys(sdar_dir):
+    config = json.loads((sdar_dir / "config.json").read_text())
+    (sdar_dir / "config.json").write_text(json.dumps(config | {"block_size": None}))
+    assert model_config(sdar_dir).default_block_size == 4
+
+
+def test_a_tensor_in_two_files_without_an_index_is_refused(sdar_dir):
+    """Without model.safetensors.index.json every *.safetensors file is read: a leftover copy of a tensor must not
+    silently replace the checkpoint's."""
+    weights = load_file(sdar_dir / "model.safetensors")
+    save_file({"model.embed_tokens.weight": np.zeros_like(weights["model.embed_tokens.weight"])},
+              sdar_dir / "model.safetensors.old.safetensors")
+    with pytest.raises(CheckpointError, match=r"'model\.embed_tokens\.weight' is in both"):
+        load_model(sdar_dir, model_config(sdar_dir), "float32")

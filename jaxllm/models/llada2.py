@@ -39,12 +39,13 @@ def config_from_hf(hf: dict) -> ModelConfig:
         moe_intermediate_size=field("moe_intermediate_size"),
         num_shared_experts=int(hf.get("num_shared_experts") or 0),
         first_k_dense_replace=int(hf.get("first_k_dense_replace", 0)),
-        n_group=int(hf.get("n_group") or 1),
-        topk_group=int(hf.get("topk_group") or 1),
-        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        # required: a guess routes every token differently, and config classes of the family default them
+        # differently (the reference's 8, 4, 2.5 against a plain top-k's 1, 1, 1)
+        n_group=int(field("n_group")),
+        topk_group=int(field("topk_group")),
+        routed_scaling_factor=float(field("routed_scaling_factor")),
     )
-    return transformer_config(hf, MODEL_TYPE, rope_theta=600000.0, partial_rotary_factor=0.5, block_size=32, moe=moe)
+    return transformer_config(hf, MODEL_TYPE, partial_rotary_factor=0.5, block_size=32, moe=moe)
 
 
 class SparseMoE(nnx.Module):
@@ -66,7 +67,8 @@ class SparseMoE(nnx.Module):
         weights, expert_ids = route_grouped_sigmoid(
             self.gate(flat.astype(jnp.float32)), self.expert_bias[...], top_k=self.moe.num_experts_per_tok,
             n_group=self.moe.n_group, topk_group=self.moe.topk_group,
-            routed_scaling_factor=self.moe.routed_scaling_factor, norm_topk_prob=self.moe.norm_topk_prob)
+            # as the reference gate: top-k weights normalised whenever top_k > 1, whatever norm_topk_prob says
+            routed_scaling_factor=self.moe.routed_scaling_factor, norm_topk_prob=self.moe.num_experts_per_tok > 1)
         self.sow(nnx.Intermediate, "expert_ids", expert_ids)  # routing statistics; dead code unless popped
         out = moe_experts(flat, expert_ids, weights, self.experts_gate_up.get_value(), self.experts_down.get_value())
         if self.shared_experts is not None:

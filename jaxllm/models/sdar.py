@@ -14,7 +14,7 @@ MODEL_TYPE = "sdar"
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
-    return transformer_config(hf, MODEL_TYPE, rope_theta=1e6, partial_rotary_factor=1.0, block_size=4)
+    return transformer_config(hf, MODEL_TYPE, partial_rotary_factor=1.0, block_size=4)
 
 
 class SDAR(DecoderLM):

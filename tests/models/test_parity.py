@@ -6,6 +6,7 @@ block-causal mask are all exercised.
 """
 
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -86,3 +87,17 @@ def test_bfloat16_logits_stay_within_twice_the_pytorch_bfloat16_error(models, ar
     ours = jax_logits(model_bf16, cfg, token_ids, 8, BLOCK_SIZE, jnp.bfloat16)
     our_error = relative_error(ours, reference[8:])
     assert our_error <= min(2 * torch_error + 1e-3, 5e-2), (our_error, torch_error)
+
+
+def test_llada2_normalises_top_k_weights_whatever_norm_topk_prob_says(checkpoints, tmp_path):
+    """The reference gate (dFactory `LLaDA2MoeGate`) normalises the top-k weights whenever top_k > 1 and never
+    reads norm_topk_prob: a config with false must give the same logits as one with true."""
+    path = checkpoints("llada2")
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).write_bytes((path / name).read_bytes())
+    config = json.loads((path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"norm_topk_prob": False}))
+    token_ids = np.random.default_rng(3).integers(4, 8000, 8).tolist()
+    logits = [jax_logits(load_model(p, model_config(p), "float32"), model_config(p), token_ids, 0, BLOCK_SIZE,
+                         jnp.float32) for p in (path, tmp_path)]
+    np.testing.assert_array_equal(logits[1], logits[0])
