@@ -46,7 +46,8 @@ def _sdar_config(size: str) -> dict:
     return {
         "architectures": ["SDARForCausalLM"], "model_type": "sdar", **shapes, "hidden_act": "silu",
         "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "rope_scaling": None,
-        "attention_bias": False,
+        # SDAR's released configs carry block_size and mask_token_id (the project tokenizer's mask here)
+        "attention_bias": False, "block_size": 4, "mask_token_id": _special_token_ids()["<|mask|>"],
     }
 
 
@@ -215,7 +216,7 @@ def _generation_config(config: dict) -> dict:
 
 def _special_token_ids() -> dict[str, int]:
     tokenizer = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json"))
-    return {token: tokenizer.token_to_id(token) for token in ("<|endoftext|>", "<|im_end|>")}
+    return {token: tokenizer.token_to_id(token) for token in ("<|endoftext|>", "<|im_end|>", "<|mask|>")}
 
 
 def plan_shards(tensor_bytes: dict[str, int], num_shards: int) -> list[list[str]]:

@@ -234,3 +234,10 @@ def test_every_strategy_generates_to_the_end(checkpoint, options):
     assert [len(o.token_ids) for o in outputs] == [14, 14, 14]
     assert all(1 not in o.token_ids for o in outputs)  # the mask id never leaks
     assert llm.engine.kv_cache_usage == 0.0
+
+
+def test_the_mask_id_comes_from_the_option_then_config_json_then_the_tokenizer(checkpoints):
+    """Released SDAR configs name their mask token; LLaDA2's leave it to the tokenizer; an option overrides both."""
+    assert LLM(checkpoints("sdar", mask_token_id=5)).engine.mask_token_id == 5
+    assert LLM(checkpoints("sdar", mask_token_id=5), mask_token_id=7).engine.mask_token_id == 7
+    assert LLM(checkpoints("llada2")).engine.mask_token_id == 1  # the project tokenizer's <|mask|>
