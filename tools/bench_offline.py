@@ -153,12 +153,12 @@ def measured_touched_experts(llm: LLM, prompts: list[list[int]], outputs: list[l
     return float(np.mean(per_state))
 
 
-def model_dir_for(args) -> pathlib.Path:
+def model_dir_for(args, scratch: pathlib.Path) -> pathlib.Path:
+    """--model, or a checkpoint made in scratch (a full-size one with weights is 32 GB)."""
     if args.model:
         return pathlib.Path(args.model)
     from tools.make_checkpoint import make_checkpoint
-    out = pathlib.Path(tempfile.mkdtemp(prefix=f"bench_{args.arch}_"))
-    return make_checkpoint(out, args.arch, size=args.size, dtype="bf16", with_weights=not args.random_weights)
+    return make_checkpoint(scratch, args.arch, size=args.size, dtype="bf16", with_weights=not args.random_weights)
 
 
 def main() -> None:
@@ -202,8 +202,9 @@ def main() -> None:
     if hlo_dump:  # the optimized HLO names each profiled kernel's source; set before JAX starts its backend
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {hlo_dump_flags(hlo_dump)}"
 
-    model_dir = model_dir_for(args)
-    llm = make_llm(args, model_dir, max(args.batch))  # one engine: weights made once, a compile per batch size
+    # one engine: weights made once, a compile per batch size; it reads the checkpoint whole as it starts
+    with tempfile.TemporaryDirectory(prefix=f"bench_{args.arch}_") as scratch:
+        llm = make_llm(args, model_dir_for(args, pathlib.Path(scratch)), max(args.batch))
     cfg = llm.engine.model_config
     default_cap = llm.engine.runner.max_steps_per_round
     print(" | ".join(COLUMNS), flush=True)  # rows print as they finish: a run cut short keeps what it measured

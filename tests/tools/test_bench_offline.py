@@ -1,6 +1,7 @@
 """The offline benchmark's floor model and its count of the experts a batch touches."""
 
 import sys
+import tempfile
 
 import pytest
 
@@ -87,3 +88,13 @@ def test_a_prompt_count_with_several_batch_sizes_is_refused(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["bench_offline", "--batch", "1", "4", "--num-prompts", "4"])
     with pytest.raises(SystemExit):
         main()
+
+
+def test_the_checkpoint_it_makes_is_removed(tmp_path, monkeypatch, capsys):
+    """Without --model it makes a checkpoint (32 GB at full size with weights): none may be left behind."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(sys, "argv", ["bench_offline", "--arch", "sdar", "--dtype", "float32", "--input-len", "16",
+                                      "--output-len", "4", "--repeats", "1"])
+    main()
+    assert "sdar | 1 |" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []
