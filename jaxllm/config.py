@@ -54,6 +54,11 @@ def transformer_config(hf_config: dict, model_type: str, *, partial_rotary_facto
     def field(name):
         return hf_field(hf_config, name, model_type)
 
+    quantized = hf_config.get("quantization_config")
+    if quantized:  # its scale tensors would otherwise be refused only after every weight was read
+        method = quantized.get("quant_method", "quantization_config")
+        raise ConfigError(f"pre-quantized checkpoints ({method}) are not supported: load an unquantized one "
+                          f"(LLaDA2's experts quantize at load: quantization='int8' or 'fp8')")
     if hf_config.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"hidden_act {hf_config['hidden_act']!r} is not supported: the MLPs are SwiGLU (silu)")
 

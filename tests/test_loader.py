@@ -99,6 +99,7 @@ def test_an_unsupported_model_type_is_named(sdar_dir):
     ("llada2", {"norm_head": True}, "norm_head"),
     ("sdar", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ("llada2", {"hidden_act": "gelu_pytorch_tanh"}, "hidden_act 'gelu_pytorch_tanh'"),
+    ("sdar", {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, r"pre-quantized .*fp8"),
 ])
 def test_settings_the_models_do_not_implement_are_refused(checkpoints, tmp_path, arch, setting, message):
     """Loading them anyway would give a model that runs and is silently wrong."""
@@ -106,7 +107,8 @@ def test_settings_the_models_do_not_implement_are_refused(checkpoints, tmp_path,
     (tmp_path / "config.json").write_text(json.dumps(config | setting))
     with pytest.raises(ConfigError, match=message):
         model_config(tmp_path)
-    plain = config | {"rope_scaling": None, "expert_capacity": 0, "norm_head": False, "hidden_act": "silu"}
+    plain = config | {"rope_scaling": None, "expert_capacity": 0, "norm_head": False, "hidden_act": "silu",
+                      "quantization_config": None}
     (tmp_path / "config.json").write_text(json.dumps(plain))
     model_config(tmp_path)
 
