@@ -38,7 +38,10 @@ def usage(prompt_lens: list[int], finals: list[RequestOutput]) -> dict:
     completion_tokens = sum(len(o.token_ids) for o in finals)
     body = {"prompt_tokens": sum(prompt_lens), "completion_tokens": completion_tokens,
             "total_tokens": sum(prompt_lens) + completion_tokens}
-    cached_tokens = sum(o.stats.get("cached_tokens") or 0 for o in finals)
+    # choice i samples prompt i // n: a prompt's cached tokens are those every one of its choices found cached
+    n = len(finals) // len(prompt_lens)
+    cached_tokens = sum(min(o.stats.get("cached_tokens") or 0 for o in finals[p * n:(p + 1) * n])
+                        for p in range(len(prompt_lens)))
     if cached_tokens:
         body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
     return body

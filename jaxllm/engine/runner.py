@@ -208,7 +208,7 @@ class ModelRunner:
             arrays["max_blocks"][i] = max_blocks
             arrays["seeds"][i] = request.seed
             arrays["temperature"][i] = request.params.temperature
-            arrays["top_k"][i] = request.params.top_k
+            arrays["top_k"][i] = min(request.params.top_k, np.iinfo(np.int32).max)  # beyond the vocabulary: off
             arrays["top_p"][i] = request.params.top_p
         state = WindowState(*(arrays.pop(name) for name in (
             "tokens", "fixed", "num_active_blocks", "block_steps", "block_masks", "post_steps")))

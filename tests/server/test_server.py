@@ -432,6 +432,26 @@ def test_metrics_count_requests_tokens_forwards_and_latencies(server, http):
     assert after["jaxllm:prefix_cache_queries_total"] >= after["jaxllm:prefix_cache_hits_total"] >= 0
 
 
+def test_a_top_k_beyond_int32_is_served_and_the_engine_stays_up(http):
+    """A top_k past the vocabulary keeps every token; it once overflowed an int32 in the engine thread, which
+    failed the engine for every later request."""
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 4, "temperature": 1.0, "top_k": 2**31, "seed": 5}
+    huge = http.post("/v1/completions", json=body)
+    assert huge.status_code == 200, huge.text
+    assert http.get("/health").status_code == 200
+    off = http.post("/v1/completions", json=body | {"top_k": -1}).json()
+    assert huge.json()["choices"][0]["text"] == off["choices"][0]["text"]
+
+
+def test_cached_tokens_count_each_prompt_once_with_several_choices(client):
+    """usage counts a prompt once however many choices sample it; its cached tokens are part of it."""
+    messages = [{"role": "user", "content": "Tell me about the tiny model that serves these tests, twice over."}]
+    for _ in range(2):  # the second request finds the prompt's pages cached
+        usage = client.chat.completions.create(model=MODEL, messages=messages, n=3, max_tokens=4, temperature=1.0,
+                                               seed=2).usage
+    assert 0 < usage.prompt_tokens_details.cached_tokens <= usage.prompt_tokens
+
+
 # the benchmark client
 
 
