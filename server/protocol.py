@@ -153,6 +153,8 @@ def _read_stream(body: dict) -> tuple[bool, bool]:
         raise invalid("stream_options", "stream_options is only allowed when stream is true")
     if not isinstance(options, dict):
         raise invalid("stream_options", "stream_options must be an object")
+    if options.get("continuous_usage_stats"):
+        raise invalid("stream_options", "continuous_usage_stats is not supported by this server")
     return stream, _read_bool(options, "include_usage")
 
 
@@ -169,6 +171,7 @@ _NEUTRAL = {
     "top_logprobs": lambda v: v is None or v == 0,
     "tools": lambda v: v is None or v == [],
     "response_format": lambda v: v is None or v == {"type": "text"},
+    "min_tokens": lambda v: v is None or v == 0,
 }
 _COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
                   "ignore_eos", "n", "stream", "stream_options", "user", "logprobs", "tool_choice", "metadata",
