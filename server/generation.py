@@ -99,7 +99,10 @@ async def handle_generation(request: Request, chat: bool):
         if job.request.stream:
             await _stream(request, job, submission, state.sse_keepalive_s)
             return None
-        finals = await _collect(submission, job.num_choices)
+        try:
+            finals = await _collect(submission, job.num_choices)
+        except EngineFailed as error:  # as a stream reports it, not as an unexpected error of the server's
+            raise APIError(500, str(error), type="server_error", code="engine_failed") from None
         return response.json(full_response(job.header, job.prompt_lens, finals))
     finally:
         state.engine_loop.close(submission)
