@@ -6,6 +6,8 @@ The forward-pass counter sums each finished request's denoising forwards (its NF
 generation_tokens_total / request_forward_passes_total is the mean tokens per forward.
 """
 
+import time
+
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -76,18 +78,34 @@ class ServerMetrics:
                                           LATENCY_BUCKETS)
         self.forward_time = self._histogram("forward_time_seconds", "Seconds per forward of each decode round.",
                                             FORWARD_BUCKETS)
+        self.itl = self._histogram("inter_token_latency_seconds", "Time between a request's commits over the tokens "
+                                   "the later one committed, one sample per token.", PER_TOKEN_BUCKETS)
+        self._last_commit: dict[str, float] = {}  # request id -> when its last tokens were committed
 
     def _histogram(self, name: str, documentation: str, buckets) -> Histogram:
         return Histogram(f"{PREFIX}{name}", documentation, buckets=buckets, registry=self.registry)
 
     def observe_outputs(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()  # the engine thread calls this as each step's outputs arrive
         for output in outputs:
             self.generation_tokens.inc(len(output.new_token_ids))
+            self._observe_inter_token_latency(output, now)
             first_block = output.new_token_ids and len(output.new_token_ids) == len(output.token_ids)
             if first_block and output.stats.get("time_to_first_block_ms") is not None:  # as it happens, aborts too
                 self.ttft.observe(output.stats["time_to_first_block_ms"] / 1e3)
             if output.finished:
                 self._observe_finished(output)
+
+    def _observe_inter_token_latency(self, output: RequestOutput, now: float) -> None:
+        """A block commits several tokens at once: n samples of interval / n (the first commit is TTFT's)."""
+        num_new = len(output.new_token_ids)
+        last = self._last_commit.pop(output.request_id, None)
+        if num_new and last is not None:
+            for _ in range(num_new):
+                self.itl.observe((now - last) / num_new)
+        last = now if num_new else last
+        if last is not None and not output.finished:
+            self._last_commit[output.request_id] = last
 
     def _observe_finished(self, output: RequestOutput) -> None:
         stats = output.stats

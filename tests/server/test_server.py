@@ -432,6 +432,8 @@ def test_metrics_count_requests_tokens_forwards_and_latencies(server, http):
                       "request_time_per_output_token_seconds"):
         assert change(f"jaxllm:{histogram}_count") == 1
     assert change("jaxllm:forward_time_seconds_count") >= 1
+    # a sample per token after the first commit (its blocks commit the 8 tokens in 2-3 steps)
+    assert 1 <= change("jaxllm:inter_token_latency_seconds_count") <= 7
     assert after["jaxllm:prefix_cache_queries_total"] >= after["jaxllm:prefix_cache_hits_total"] >= 0
 
 
