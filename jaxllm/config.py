@@ -80,8 +80,8 @@ def transformer_config(hf_config: dict, model_type: str, *, partial_rotary_facto
         intermediate_size=field("intermediate_size"),
         rms_norm_eps=field("rms_norm_eps"),
         # required: the families' config classes default it differently from their released checkpoints
-        rope_theta=rope_field(hf_config, "rope_theta", model_type=model_type),
-        rotary_dim=int(head_dim * rope_field(hf_config, "partial_rotary_factor", partial_rotary_factor)),
+        rope_theta=rope_field(hf_config, "rope_theta", model_type),
+        rotary_dim=int(head_dim * rope_field(hf_config, "partial_rotary_factor", model_type, partial_rotary_factor)),
         tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
         max_position_embeddings=field("max_position_embeddings"),
         default_block_size=int(hf_config.get("block_size") or block_size),  # null: the family's
@@ -99,14 +99,12 @@ def hf_field(hf_config: dict, name: str, model_type: str, *aliases: str):
     raise ConfigError(f"config.json lacks field {name!r}, which a {model_type!r} checkpoint needs")
 
 
-def rope_field(hf_config: dict, name: str, default: float | None = None, *, model_type: str = "") -> float:
+def rope_field(hf_config: dict, name: str, model_type: str, default: float | None = None) -> float:
     """RoPE settings sit at the top level (older exports) or in `rope_parameters` (transformers 5); without a
     default the field is required."""
     nested = hf_config.get("rope_parameters") or {}
     value = hf_config.get(name) or nested.get(name) or default
-    if value is None:
-        raise ConfigError(f"config.json lacks field {name!r}, which a {model_type!r} checkpoint needs")
-    return float(value)
+    return float(value if value is not None else hf_field(hf_config, name, model_type))
 
 
 def eos_ids(hf_config: dict) -> tuple[int, ...]:

@@ -11,9 +11,9 @@ kernel     each threshold is searched `bits` at a time from the top key bit: a s
            (top-p) the logits at or above each of the 2^bits - 1 candidates; XLA adds the segments' sums in a
            fixed order and picks the digit. One pass for the maximum, then 32 / bits per filter: every pass
            launches, and a row that does not ask for a filter (top_k = -1, top_p = 1) skips that filter's
-           passes' work (an empty program). Segments keep the GPU busy at a few rows
-           (one program per row would leave most SMs idle at 32 rows) and depend on the vocabulary alone, so a
-           row's sums do not depend on its batch.
+           passes' work (an empty program). Segments keep the GPU busy at a few rows (one program per row would
+           leave most SMs idle at 32 rows) and depend on the vocabulary alone, so a row's sums do not depend on
+           its batch.
 """
 
 import functools
