@@ -22,7 +22,9 @@ fp8 x fp8 on the tensor cores.
 
 Pallas path, all on device with static shapes:
   1. sort the A assignments by expert and give expert e the padded rows [start_e, start_e + ceil(n_e/bm)*bm);
-     the padded total is at most R*bm rows (`_num_row_tiles`), so every array has a static shape;
+     the padded total is at most R*bm rows (`_num_row_tiles`), so every array has a static shape. When all T
+     tokens fit one row tile (decode batches of one window) nothing is sorted: each touched expert's tile holds
+     every token, and the rows no assignment reads are computed and never read;
   2. gate_up kernel, grid (R, I/bn): row tile r gathers its tokens' rows of x and multiplies them by expert
      tile_expert[r]'s gate and up columns -> act[R*bm, I] = silu(gate) * up;
   3. down kernel, grid (R, H/bn): act rows @ that expert's w_down -> out_rows[R*bm, H];
@@ -246,13 +248,14 @@ def _fit_block(dim, preferred):
     return block
 
 
-def default_tiles(num_assignments, num_experts, hidden, inter, upcast_weights=False):
+def default_tiles(num_tokens, top_k, num_experts, hidden, inter, upcast_weights=False):
     """Tiles by the mean rows per expert: small tiles stream weights at decode sizes, large ones feed tensor cores.
 
     Picked from the H200 sweeps in tools/bench_moe.py (LLaDA2.0-mini shapes, JAX 0.11.2). upcast_weights: int8 or
-    e4m3 weights that the kernels up-cast to the activations' dtype.
+    e4m3 weights that the kernels up-cast to the activations' dtype. Up to _EVERY_TOKEN_MAX_TOKENS tokens the row
+    tile grows to hold them all, so the grouping is only which experts are touched (`_group_by_expert`).
     """
-    rows_per_expert = num_assignments / num_experts
+    rows_per_expert = num_tokens * top_k / num_experts
     if rows_per_expert <= 16 and upcast_weights:  # memory-bound, 1-byte weights: deep k tiles keep bytes in flight,
         # 8 warps share the up-cast of a 64 x 256 tile (MoE run 8)
         block_m, gate_up, down = 16, GemmTiles(64, 256, 8, 3), GemmTiles(128, 128, 4, 3)
@@ -264,6 +267,8 @@ def default_tiles(num_assignments, num_experts, hidden, inter, upcast_weights=Fa
         block_m, gate_up, down = 128, GemmTiles(64, 64, 8, 3), GemmTiles(128, 64, 8, 3)
     else:  # compute-bound
         block_m, gate_up, down = 128, GemmTiles(128, 64, 8, 4), GemmTiles(256, 64, 8, 3)
+    if num_tokens <= _EVERY_TOKEN_MAX_TOKENS:
+        block_m = max(block_m, 1 << (num_tokens - 1).bit_length())
     return MoeTiles(
         block_m,
         dataclasses.replace(gate_up, block_n=_fit_block(inter, gate_up.block_n),
@@ -299,6 +304,10 @@ class ExpertGroups(NamedTuple):
 # Up to this many assignments (batch 8 of 32-token windows at top-8) the groups come from pairwise comparisons, whose
 # work grows as A^2 but runs as a few wide elementwise-and-reduce kernels; beyond it from two sorts.
 _COMPARE_MAX_ASSIGNMENTS = 2048
+# Up to this many tokens (one 32-token window) `default_tiles` makes the row tile hold every token, and the groups
+# are only which experts are touched: one small kernel where the comparisons take ~5 per layer (~9 us on the H200).
+# The untouched rows of a touched expert's tile cost tensor-core work only: its weights are read once either way.
+_EVERY_TOKEN_MAX_TOKENS = 32
 
 
 def _group_by_expert(expert_ids, num_experts, block_m, method="auto"):
@@ -306,7 +315,9 @@ def _group_by_expert(expert_ids, num_experts, block_m, method="auto"):
 
     method: "compare" (an assignment's row is its group's padded start plus the number of earlier assignments to the
     same expert; a row's token is found by comparing the row against every assignment's row), "sort" (an argsort
-    by expert and its inverse), or "auto" (compare up to _COMPARE_MAX_ASSIGNMENTS). Both give identical groups.
+    by expert and its inverse), "every_token" (T <= block_m only: expert e's tile, rows [e*bm, e*bm + T), holds
+    every token, visited when some assignment chose e), or "auto" (every_token where the tokens fit one tile, else
+    compare up to _COMPARE_MAX_ASSIGNMENTS). compare and sort give identical groups.
 
     Written without scatters: a scatter updates its operand in place, and inside the engine's denoising while-loop
     XLA hoists a constant operand (the zeros it starts from) out of the loop and copies it back every iteration
@@ -316,9 +327,20 @@ def _group_by_expert(expert_ids, num_experts, block_m, method="auto"):
     num_tokens, top_k = expert_ids.shape
     num_assignments = num_tokens * top_k
     if method == "auto":
-        method = "compare" if num_assignments <= _COMPARE_MAX_ASSIGNMENTS else "sort"
-    num_row_tiles = _num_row_tiles(num_assignments, num_experts, block_m)
+        method = ("every_token" if num_tokens <= block_m else
+                  "compare" if num_assignments <= _COMPARE_MAX_ASSIGNMENTS else "sort")
     flat_expert = expert_ids.reshape(-1).astype(jnp.int32)  # [A]
+    if method == "every_token":
+        if num_tokens > block_m:
+            raise ValueError(f"every_token grouping needs the {num_tokens} tokens to fit one {block_m}-row tile")
+        expert = jnp.arange(num_experts, dtype=jnp.int32)
+        touched = jnp.any(flat_expert[:, None] == expert, axis=0)  # [E]
+        in_tile = jnp.arange(block_m, dtype=jnp.int32)
+        row_token = jnp.tile(jnp.where(in_tile < num_tokens, in_tile, 0), num_experts)
+        assignment_row = expert_ids.astype(jnp.int32) * block_m + jnp.arange(num_tokens, dtype=jnp.int32)[:, None]
+        # no barrier: nothing here is worth computing once for many consumers (the rows are one multiply-add)
+        return ExpertGroups(row_token, jnp.where(touched, expert, -1), assignment_row)
+    num_row_tiles = _num_row_tiles(num_assignments, num_experts, block_m)
     assignment = jnp.arange(num_assignments)
     group_sizes = jnp.sum(flat_expert[:, None] == jnp.arange(num_experts), axis=0, dtype=jnp.int32)  # [E]
     padded_sizes = (group_sizes + block_m - 1) // block_m * block_m
@@ -352,7 +374,7 @@ def _group_by_expert(expert_ids, num_experts, block_m, method="auto"):
         sorted_position = jnp.minimum(group_starts[safe_expert] + row_rank, num_assignments - 1)
         row_token = jnp.where(filled, order[sorted_position] // top_k, 0)
     else:
-        raise ValueError(f"unknown grouping method {method!r}; use 'auto', 'compare' or 'sort'")
+        raise ValueError(f"unknown grouping method {method!r}; use 'auto', 'every_token', 'compare' or 'sort'")
     return lax.optimization_barrier(ExpertGroups(row_token.astype(jnp.int32), tile_expert,
                                                  assignment_row.reshape(num_tokens, top_k).astype(jnp.int32)))
 
@@ -557,7 +579,7 @@ def _moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, *, fp8
     num_experts, _, two_inter = w_gate_up.shape
     if tiles is None:
         upcast = isinstance(w_gate_up, QuantizedWeight) and not fp8_activations
-        tiles = default_tiles(expert_ids.size, num_experts, hidden, two_inter // 2, upcast)
+        tiles = default_tiles(num_tokens, expert_ids.shape[1], num_experts, hidden, two_inter // 2, upcast)
     _check_tiles(tiles, hidden, two_inter // 2)
     groups = _group_by_expert(expert_ids, num_experts, tiles.block_m)
 

@@ -183,15 +183,16 @@ def sweep_tiles(num_tokens):
     with the regime's previous default). In the 16-row regime 1-byte weights want deeper k tiles than bf16 (MoE run 8:
     64 x 256 gate/up tiles on 8 warps, 1.64-1.66x bf16 at 32 tokens); some of those tiles need too much shared memory
     for bf16 and fail to compile there."""
-    block_m = default_tiles(num_tokens * TOP_K, EXPERTS, HIDDEN, INTER).block_m
-    if block_m == 16:  # bf16's default, the 1-byte default, run 7's 1-byte default, then neighbours of the 1-byte one
-        return [MoeTiles(16, GemmTiles(128, 128, 4, 3), GemmTiles(256, 64, 4, 3)),
-                MoeTiles(16, GemmTiles(64, 256, 8, 3), GemmTiles(128, 128, 4, 3)),
-                MoeTiles(16, GemmTiles(32, 256, 4, 3), GemmTiles(128, 128, 4, 3)),
-                MoeTiles(16, GemmTiles(64, 256, 8, 4), GemmTiles(128, 128, 4, 3)),
-                MoeTiles(16, GemmTiles(128, 256, 8, 3), GemmTiles(128, 128, 4, 3)),
-                MoeTiles(16, GemmTiles(64, 512, 8, 2), GemmTiles(128, 128, 4, 3)),
-                MoeTiles(16, GemmTiles(64, 256, 8, 3), GemmTiles(128, 256, 4, 2))]
+    block_m = default_tiles(num_tokens, TOP_K, EXPERTS, HIDDEN, INTER).block_m
+    if block_m <= 32:  # memory-bound (16 rows, or every token of <= 32): bf16's default, the 1-byte default, run 7's
+        # 1-byte default, then neighbours of the 1-byte one
+        return [MoeTiles(block_m, GemmTiles(128, 128, 4, 3), GemmTiles(256, 64, 4, 3)),
+                MoeTiles(block_m, GemmTiles(64, 256, 8, 3), GemmTiles(128, 128, 4, 3)),
+                MoeTiles(block_m, GemmTiles(32, 256, 4, 3), GemmTiles(128, 128, 4, 3)),
+                MoeTiles(block_m, GemmTiles(64, 256, 8, 4), GemmTiles(128, 128, 4, 3)),
+                MoeTiles(block_m, GemmTiles(128, 256, 8, 3), GemmTiles(128, 128, 4, 3)),
+                MoeTiles(block_m, GemmTiles(64, 512, 8, 2), GemmTiles(128, 128, 4, 3)),
+                MoeTiles(block_m, GemmTiles(64, 256, 8, 3), GemmTiles(128, 256, 4, 2))]
     if block_m == 64:
         return [MoeTiles(64, GemmTiles(128, 64, 8, 3), GemmTiles(128, 64, 4, 3)),
                 MoeTiles(64, GemmTiles(64, 64, 4, 4), GemmTiles(128, 64, 4, 4)),
@@ -244,7 +245,7 @@ def bench_tokens(num_tokens, weights, kernel_weights, peaks, sweep, workers):
     jobs = variants(num_tokens, weights, kernel_weights, capacity, sweep)
     compiled = compile_all({key: (fn, (x, expert_ids, expert_weights, *pair)) for key, (fn, pair) in jobs.items()},
                            workers)
-    block_m = default_tiles(ids.size, EXPERTS, HIDDEN, INTER).block_m
+    block_m = default_tiles(*ids.shape, EXPERTS, HIDDEN, INTER).block_m
     grouping = jax.jit(functools.partial(_group_by_expert, num_experts=EXPERTS, block_m=block_m))
     group_ms = measure(grouping, expert_ids) * 1e3  # the sort / padding metadata alone, inside the pallas time
     print(f"[{num_tokens}] touched experts {touched}, largest group {capacity}, grouping {group_ms:.3f} ms",
@@ -346,7 +347,7 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"ceilings": peaks, "rows": rows, "relative_error": errors,
-                       "default_tiles": {t: dataclasses.asdict(default_tiles(t * TOP_K, EXPERTS, HIDDEN, INTER))
+                       "default_tiles": {t: dataclasses.asdict(default_tiles(t, TOP_K, EXPERTS, HIDDEN, INTER))
                                          for t in args.tokens}}, f, indent=1)
     print(summary_table(rows, peaks))
 

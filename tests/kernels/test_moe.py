@@ -180,6 +180,8 @@ CASES = {
     "block_m32_bf16": (53, 4, 8, "random", jnp.bfloat16, None, False,
                        MoeTiles(32, gate_up=GemmTiles(16, 64, 4, 3), down=GemmTiles(64, 16, 4, 3))),
     "default_tiles_bf16": (37, 4, 8, "random", jnp.bfloat16, None, False, None),
+    # 32 tokens: the default tile holds them all, every_token grouping (an expert's tile computes every token)
+    "default_tiles_every_token_bf16": (32, 2, 16, "subset", jnp.bfloat16, None, False, None),
     "default_tiles_compute_regime_int8": (200, 4, 8, "random", jnp.bfloat16, "int8", False, None),
     # the 1-byte default of <= 16 rows per expert, shrunk to these dims (64 x 128 gate/up); the full-size tiles are
     # checked to lower in test_full_size_layer_lowers_to_triton_for_cuda
@@ -244,6 +246,27 @@ def test_grouping_visits_only_filled_tiles(pattern, method):
     assert len(np.unique(rows)) == ids.size
     np.testing.assert_array_equal(groups.tile_expert[rows // block_m], ids.ravel())
     np.testing.assert_array_equal(groups.row_token[rows], np.arange(ids.size) // ids.shape[1])
+
+
+@pytest.mark.parametrize("num_tokens, block_m", [(32, 32), (5, 16), (1, 16)])
+@pytest.mark.parametrize("pattern", ["random", "subset", "one_expert"])
+def test_every_token_grouping_visits_each_touched_expert_once(num_tokens, block_m, pattern):
+    rng = np.random.default_rng(num_tokens)
+    num_experts = 16
+    ids = _routing(rng, num_tokens, 1 if pattern == "one_expert" else 3, num_experts, pattern)
+    groups = jax.tree.map(np.asarray, _group_by_expert(jnp.asarray(ids, jnp.int32), num_experts, block_m, "auto"))
+
+    touched = np.isin(np.arange(num_experts), ids)
+    np.testing.assert_array_equal(groups.tile_expert, np.where(touched, np.arange(num_experts), -1))
+    rows = groups.assignment_row.ravel()
+    np.testing.assert_array_equal(groups.tile_expert[rows // block_m], ids.ravel())
+    np.testing.assert_array_equal(groups.row_token[rows], np.arange(ids.size) // ids.shape[1])
+    assert (groups.row_token < num_tokens).all()
+
+
+def test_every_token_grouping_refuses_tokens_beyond_one_tile():
+    with pytest.raises(ValueError, match="fit one"):
+        _group_by_expert(jnp.zeros((17, 2), jnp.int32), 8, 16, "every_token")
 
 
 @pytest.mark.parametrize("num_tokens, top_k, num_experts, block_m, pattern", [
