@@ -252,8 +252,10 @@ def default_tiles(num_tokens, top_k, num_experts, hidden, inter, upcast_weights=
     """Tiles by the mean rows per expert: small tiles stream weights at decode sizes, large ones feed tensor cores.
 
     Picked from the H200 sweeps in tools/bench_moe.py (LLaDA2.0-mini shapes, JAX 0.11.2). upcast_weights: int8 or
-    e4m3 weights that the kernels up-cast to the activations' dtype. Up to _EVERY_TOKEN_MAX_TOKENS tokens the row
-    tile grows to hold them all, so the grouping is only which experts are touched (`_group_by_expert`).
+    e4m3 weights that the kernels up-cast to the activations' dtype. Up to _EVERY_TOKEN_MAX_TOKENS tokens a plain
+    weight's row tile grows to hold them all, so the grouping is only which experts are touched (`_group_by_expert`):
+    LLaDA2 batch 1 2.732 -> 2.632 ms per forward (engine run 11). Up-cast weights keep 16 rows: their gate/up kernel
+    took 48 us per layer at 32 rows against 37 at 16 (H200, 32 tokens, 48 experts), more than the grouping saves.
     """
     rows_per_expert = num_tokens * top_k / num_experts
     if rows_per_expert <= 16 and upcast_weights:  # memory-bound, 1-byte weights: deep k tiles keep bytes in flight,
@@ -267,7 +269,7 @@ def default_tiles(num_tokens, top_k, num_experts, hidden, inter, upcast_weights=
         block_m, gate_up, down = 128, GemmTiles(64, 64, 8, 3), GemmTiles(128, 64, 8, 3)
     else:  # compute-bound
         block_m, gate_up, down = 128, GemmTiles(128, 64, 8, 4), GemmTiles(256, 64, 8, 3)
-    if num_tokens <= _EVERY_TOKEN_MAX_TOKENS:
+    if num_tokens <= _EVERY_TOKEN_MAX_TOKENS and not upcast_weights:
         block_m = max(block_m, 1 << (num_tokens - 1).bit_length())
     return MoeTiles(
         block_m,
@@ -304,9 +306,9 @@ class ExpertGroups(NamedTuple):
 # Up to this many assignments (batch 8 of 32-token windows at top-8) the groups come from pairwise comparisons, whose
 # work grows as A^2 but runs as a few wide elementwise-and-reduce kernels; beyond it from two sorts.
 _COMPARE_MAX_ASSIGNMENTS = 2048
-# Up to this many tokens (one 32-token window) `default_tiles` makes the row tile hold every token, and the groups
-# are only which experts are touched: one small kernel where the comparisons take ~5 per layer (~9 us on the H200).
-# The untouched rows of a touched expert's tile cost tensor-core work only: its weights are read once either way.
+# Up to this many tokens (one 32-token window) `default_tiles` makes a plain weight's row tile hold every token, and
+# the groups are only which experts are touched: one small kernel where the comparisons take ~5 per layer. The rows
+# of a touched expert's tile that no assignment reads cost tensor-core work only: its weights are read once either way.
 _EVERY_TOKEN_MAX_TOKENS = 32
 
 
