@@ -3,7 +3,9 @@
 Per-request counters and histograms are fed by the engine thread from each step's outputs; engine gauges (running,
 waiting, KV usage, prefix cache) are read from the engine when /metrics is scraped, so they are never stale.
 The forward-pass counter sums each finished request's denoising forwards (its NFE):
-generation_tokens_total / request_forward_passes_total is the mean tokens per forward.
+generation_tokens_total / request_forward_passes_total is the mean tokens per forward. num_requests_total counts
+every finished request, as TokenSpeed's num_requests does (vLLM has none); request_success_total splits the same
+count by finish reason (abort included).
 """
 
 import time
@@ -59,6 +61,8 @@ class ServerMetrics:
         disable_created_metrics()  # process-wide (the server owns its process): no *_created sample per series
         self.registry = CollectorRegistry()
         self.registry.register(_EngineGauges(get_engine))
+        self.num_requests = Counter(f"{PREFIX}num_requests", "Finished requests, whatever the finish reason.",
+                                    registry=self.registry)
         self.requests = Counter(f"{PREFIX}request_success", "Finished requests by finish reason.",
                                 ["finished_reason"], registry=self.registry)
         for reason in FINISH_REASONS:
@@ -109,6 +113,7 @@ class ServerMetrics:
 
     def _observe_finished(self, output: RequestOutput) -> None:
         stats = output.stats
+        self.num_requests.inc()
         self.requests.labels(output.finish_reason).inc()
         self.prompt_tokens.inc(len(output.prompt_token_ids))
         self.forward_passes.inc(stats["forward_passes"])

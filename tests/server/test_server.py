@@ -424,7 +424,7 @@ def test_metrics_count_requests_tokens_forwards_and_latencies(server, http):
     def change(name: str) -> float:
         return after[name] - before[name]
 
-    assert change(LENGTH) == 1 and change(ABORTED) == 0
+    assert change(LENGTH) == 1 and change(ABORTED) == 0 and change("jaxllm:num_requests_total") == 1
     assert change("jaxllm:prompt_tokens_total") == response["usage"]["prompt_tokens"]
     assert change("jaxllm:generation_tokens_total") == 8
     assert change("jaxllm:request_forward_passes_total") == response["metrics"]["forward_passes"]
