@@ -7,6 +7,7 @@ RESPONSE_TIMEOUT, which counts from the last write, never cuts it. Whatever ends
 disconnect that cancels it, an error), `finally` closes the submission, which aborts unfinished engine requests.
 """
 
+import asyncio
 import dataclasses
 
 import jinja2
@@ -93,7 +94,8 @@ def _sampling_params(request: GenerationRequest, sample: int, max_tokens: int):
 
 async def handle_generation(request: Request, chat: bool):
     state: ServingState = request.app.ctx.serving
-    job = _prepare(state, request.body, chat)
+    # off the event loop: parsing, templating and tokenizing a long prompt there would hold up every open stream
+    job = await asyncio.to_thread(_prepare, state, request.body, chat)
     submission = _submit(state.engine_loop, job)
     try:
         if job.request.stream:

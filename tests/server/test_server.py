@@ -412,6 +412,29 @@ def test_200_concurrent_requests_are_all_answered_and_the_pool_returns_to_baseli
     wait_for_idle_pool(server.url)
 
 
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_a_long_prompt_is_tokenized_off_the_event_loop(server, route):
+    """Templating and tokenizing a prompt of 700 kB takes about half a second; /health keeps answering meanwhile (the
+    prompt is then refused: it is longer than the context)."""
+    text = "def f(x):\n    return x + 1\n" * 25_000
+    prompt = {"prompt": text} if route == "completions" else {"messages": [{"role": "user", "content": text}]}
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=60) as session:
+            start = time.monotonic()
+            long_request = asyncio.create_task(session.post(f"/v1/{route}", json={"model": MODEL, **prompt}))
+            health_latencies = []
+            while not long_request.done():
+                sent = time.monotonic()
+                assert (await session.get("/health")).status_code == 200
+                health_latencies.append(time.monotonic() - sent)
+            return await long_request, max(health_latencies), time.monotonic() - start
+
+    refused, slowest_health, elapsed = asyncio.run(scenario())
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
+    assert slowest_health < elapsed / 4, f"/health took {slowest_health:.3f}s of the request's {elapsed:.3f}s"
+
+
 # metrics
 
 
