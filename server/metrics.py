@@ -89,16 +89,15 @@ class ServerMetrics:
     def _histogram(self, name: str, documentation: str, buckets) -> Histogram:
         return Histogram(f"{PREFIX}{name}", documentation, buckets=buckets, registry=self.registry)
 
-    def observe_outputs(self, outputs: list[RequestOutput]) -> None:
-        now = time.monotonic()  # the engine thread calls this as each step's outputs arrive
-        for output in outputs:
-            self.generation_tokens.inc(len(output.new_token_ids))
-            self._observe_inter_token_latency(output, now)
-            first_block = output.new_token_ids and len(output.new_token_ids) == len(output.token_ids)
-            if first_block and output.stats.get("time_to_first_block_ms") is not None:  # as it happens, aborts too
-                self.ttft.observe(output.stats["time_to_first_block_ms"] / 1e3)
-            if output.finished:
-                self._observe_finished(output)
+    def observe_output(self, output: RequestOutput) -> None:
+        """The engine thread calls this for each output of a step, as it arrives."""
+        self.generation_tokens.inc(len(output.new_token_ids))
+        self._observe_inter_token_latency(output, time.monotonic())
+        first_block = output.new_token_ids and len(output.new_token_ids) == len(output.token_ids)
+        if first_block and output.stats.get("time_to_first_block_ms") is not None:  # as it happens, aborts too
+            self.ttft.observe(output.stats["time_to_first_block_ms"] / 1e3)
+        if output.finished:
+            self._observe_finished(output)
 
     def _observe_inter_token_latency(self, output: RequestOutput, now: float) -> None:
         """A block commits several tokens at once: n samples of interval / n (the first commit is TTFT's)."""
