@@ -2,7 +2,7 @@
 
 Run it in one process (`single_process=True`): that process imports JAX once and owns the accelerator. The engine
 is built and warmed in the engine thread started by a listener, never at import; until it is ready /health and
-/v1/* answer 503.
+/v1/* answer 503. If the engine fails, at start-up or later, the server stops.
 """
 
 import asyncio
@@ -19,7 +19,7 @@ from jaxllm.engine.engine import LLMEngine
 from jaxllm.server.engine_loop import EngineLoop, not_ready_error
 from jaxllm.server.generation import DEFAULT_SSE_KEEPALIVE_S, ServingState, handle_generation
 from jaxllm.server.metrics import ServerMetrics
-from jaxllm.server.protocol import APIError, SamplingDefaults
+from jaxllm.server.protocol import APIError, SamplingDefaults, internal_error
 
 logger = logging.getLogger("jaxllm.server")
 
@@ -124,7 +124,6 @@ def _add_error_handlers(app: Sanic) -> None:
         return _error(APIError(error.status_code, str(error), type=kind))
 
     @app.exception(Exception)
-    async def internal_error(request: Request, error: Exception):
+    async def unexpected_error(request: Request, error: Exception):
         logger.exception("error while serving %s %s", request.method, request.path)
-        return _error(APIError(500, f"internal server error: {type(error).__name__}: {error}", type="server_error",
-                               code="internal_error"))
+        return _error(internal_error(error))

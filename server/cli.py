@@ -3,7 +3,7 @@
     jaxllm serve --model DIR [--port 8000] [--max-num-seqs 8] [--block-size 4] [--api-key KEY] ...
 
 Engine flags keep vLLM's names where the meaning matches; a flag left out keeps the engine's default. With no
---model the embedded default model is served.
+--model the embedded default model is served. The exit status is 1 when the engine failed, at start-up or later.
 """
 
 import argparse
@@ -11,6 +11,8 @@ import logging
 import os
 import pathlib
 import sys
+
+from sanic import Sanic
 
 from jaxllm.config import ConfigError
 from jaxllm.engine.engine import LLMEngine
@@ -94,8 +96,12 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                      sampling_defaults=SamplingDefaults.from_model_dir(model_dir), api_key=args.api_key,
                      response_timeout=args.response_timeout, sse_keepalive_s=args.sse_keepalive_interval)
     logger.info("serving %s on http://%s:%d", model_dir, args.host, args.port)
-    app.run(host=args.host, port=args.port, single_process=True, access_log=False, backlog=LISTEN_BACKLOG,
-            motd=False)
+    return run(app, args.host, args.port)
+
+
+def run(app: Sanic, host: str, port: int) -> int:
+    """Serve until stopped; the exit status: 1 if the engine failed, so that a supervisor restarts the server."""
+    app.run(host=host, port=port, single_process=True, access_log=False, backlog=LISTEN_BACKLOG, motd=False)
     return 1 if app.ctx.serving.engine_loop.failure is not None else 0
 
 

@@ -4,6 +4,10 @@ Only this thread calls engine.step(). Handlers on the event loop submit requests
 and read their outputs from an asyncio queue that this thread feeds with loop.call_soon_threadsafe, so no handler
 ever polls. Closing a submission that has not finished aborts its engine requests, which frees their pages at the
 next step.
+
+An exception while the server handles one request's output fails that request alone. An engine that fails to start,
+or whose step raises, is broken: the handlers waiting on it get `engine_failed` and the server stops, so that its
+exit status (1) tells a supervisor to restart it, as vLLM does, instead of answering 503 for ever.
 """
 
 import asyncio
@@ -15,15 +19,11 @@ from jaxllm.engine.engine import LLMEngine, QueueFull
 from jaxllm.engine.request import RequestOutput
 from jaxllm.sampling import SamplingParams
 from jaxllm.server.metrics import ServerMetrics
-from jaxllm.server.protocol import APIError
+from jaxllm.server.protocol import APIError, internal_error
 
 logger = logging.getLogger("jaxllm.server")
 
 IDLE_WAIT_S = 0.5  # an idle engine thread wakes this often to notice a shutdown
-
-
-class EngineFailed(RuntimeError):
-    """The engine thread died; the requests it was serving cannot finish."""
 
 
 class Submission:
@@ -31,7 +31,7 @@ class Submission:
 
     def __init__(self, request_ids: list[str]):
         self.request_ids = request_ids
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.queue: asyncio.Queue[RequestOutput | APIError] = asyncio.Queue()
         self.unfinished = set(request_ids)
         self._choice_of = {request_id: i for i, request_id in enumerate(request_ids)}
 
@@ -48,7 +48,7 @@ class Submission:
         pending = [first] + [self.queue.get_nowait() for _ in range(self.queue.qsize())]
         updates: dict[int, RequestOutput] = {}
         for output in pending:
-            if isinstance(output, BaseException):
+            if isinstance(output, APIError):  # this request, or the whole engine, failed
                 raise output
             choice = self._choice_of[output.request_id]
             if choice in updates:
@@ -84,36 +84,49 @@ class EngineLoop:
         try:
             engine = self._build_engine()
             engine.warmup(strict=False)
-        except Exception as error:  # whatever it is, the server must stop rather than answer 503 forever
+        except Exception as error:
             logger.exception("the engine failed to start")
-            self.failure = error
-            self._loop.call_soon_threadsafe(on_failure)
+            self._fail(error, on_failure)
             return
         self.engine, self.ready = engine, True
         logger.info("engine ready: max_model_len %d, %d KV pages", engine.max_model_len,
                     engine.scheduler.pages.num_pages)
         try:
             self._serve(engine)
-        except Exception as error:  # fail the waiting handlers instead of leaving them hanging
-            logger.exception("the engine loop failed")
-            self.ready, self.failure = False, error
-            if not self._stopping.is_set():
-                self._loop.call_soon_threadsafe(self._fail_all, EngineFailed(f"the engine failed: {error}"))
+        except Exception as error:
+            logger.exception("the engine failed")
+            self._fail(error, on_failure)
+
+    def _fail(self, error: Exception, on_failure: Callable[[], None]) -> None:
+        """Fail the handlers waiting on the engine, then stop the server (call_soon_threadsafe keeps that order)."""
+        self.ready, self.failure = False, error
+        if not self._stopping.is_set():  # once stopped, the server may close the event loop
+            failed = APIError(500, f"the engine failed: {error}", type="server_error", code="engine_failed")
+            self._loop.call_soon_threadsafe(self._fail_all, failed)
+            self._loop.call_soon_threadsafe(on_failure)
 
     def _serve(self, engine: LLMEngine) -> None:
-        metrics = self._metrics
         forwards = engine.num_forwards
         while not self._stopping.is_set():
             if not engine.has_unfinished_requests():
                 engine.wait_for_work(IDLE_WAIT_S)
                 continue
-            outputs = engine.step()
-            metrics.observe_outputs(outputs)
+            outputs = engine.step()  # an exception here is the engine's: _run stops the server
             if engine.num_forwards != forwards:  # this step ran a decode round
                 forwards = engine.num_forwards
-                metrics.observe_forward_time(engine.last_forward_time)
-            if outputs and not self._stopping.is_set():  # once stopped, the server may close the event loop
-                self._loop.call_soon_threadsafe(self._route, outputs)
+                self._metrics.observe_forward_time(engine.last_forward_time)
+            updates = [(output.request_id, self._observe(output)) for output in outputs]
+            if updates and not self._stopping.is_set():  # once stopped, the server may close the event loop
+                self._loop.call_soon_threadsafe(self._route, updates)
+
+    def _observe(self, output: RequestOutput) -> RequestOutput | APIError:
+        """The output, its metrics recorded; an error for its request alone if that raises."""
+        try:
+            self._metrics.observe_output(output)
+        except Exception as error:
+            logger.exception("error while handling an output of request %s", output.request_id)
+            return internal_error(error)
+        return output
 
     def stop(self) -> None:
         self._stopping.set()
@@ -122,13 +135,13 @@ class EngineLoop:
 
     # the event loop thread
 
-    def _route(self, outputs: list[RequestOutput]) -> None:
-        for output in outputs:
-            submission = self._routes.get(output.request_id)
+    def _route(self, updates: list[tuple[str, RequestOutput | APIError]]) -> None:
+        for request_id, update in updates:
+            submission = self._routes.get(request_id)
             if submission is not None:
-                submission.queue.put_nowait(output)
+                submission.queue.put_nowait(update)
 
-    def _fail_all(self, error: BaseException) -> None:
+    def _fail_all(self, error: APIError) -> None:
         for submission in set(self._routes.values()):
             submission.queue.put_nowait(error)
 
@@ -140,17 +153,22 @@ class EngineLoop:
         try:
             for prompt, sampling, request_id in zip(prompts, params, request_ids):
                 self._routes[request_id] = submission
-                self.engine.add_request(prompt, sampling, request_id)
+                self._add_request(prompt, sampling, request_id)
+        except BaseException:
+            self.close(submission)  # all or none: abort the choices already added
+            raise
+        return submission
+
+    def _add_request(self, prompt: list[int], params: SamplingParams, request_id: str) -> None:
+        try:
+            self.engine.add_request(prompt, params, request_id)
         except QueueFull as error:
-            self.close(submission)
             raise APIError(429, f"The request queue is full: {error}.", type="rate_limit_error",
                            code="queue_full") from None
         except ValueError as error:
-            self.close(submission)
             message = str(error)
             code = "context_length_exceeded" if message.startswith("This model's maximum context length") else None
             raise APIError(400, message, param="prompt" if code else None, code=code) from None
-        return submission
 
     def close(self, submission: Submission) -> None:
         """Forget the submission; abort what it added that has not finished (a no-op for ids never added)."""

@@ -3,28 +3,34 @@
 A stream sends one chunk per choice per committed block (merged when the reader falls behind), exactly one chunk
 per choice with a finish_reason (it also carries that choice's `metrics`), then the usage chunk when asked, then
 `data: [DONE]`. While nothing is committed (queued, prefilling) it sends `: ping` comments, so Sanic's
-RESPONSE_TIMEOUT, which counts from the last write, never cuts it. Whatever ends the handler (a finish, a client
-disconnect that cancels it, an error), `finally` closes the submission, which aborts unfinished engine requests.
+RESPONSE_TIMEOUT, which counts from the last write, never cuts it. An error after the stream has started is sent as
+an error event, and `data: [DONE]` still ends the stream. Whatever ends the handler (a finish, a client disconnect
+that cancels it, an error), `finally` closes the submission, which aborts unfinished engine requests.
 """
 
+import asyncio
 import dataclasses
+import logging
 
 import jinja2
 from sanic import Request, response
 
 from jaxllm.engine.engine import LLMEngine
 from jaxllm.engine.request import RequestOutput
-from jaxllm.server.engine_loop import EngineFailed, EngineLoop, Submission
+from jaxllm.server.engine_loop import EngineLoop, Submission
 from jaxllm.server.protocol import (
     APIError,
     GenerationRequest,
     SamplingDefaults,
+    internal_error,
     invalid,
     parse_chat_request,
     parse_completion_request,
     parse_json,
 )
 from jaxllm.server.responses import ResponseHeader, chunk, full_response, request_metrics, sse_event, usage_chunk
+
+logger = logging.getLogger("jaxllm.server")
 
 DEFAULT_SSE_KEEPALIVE_S = 5.0
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -93,16 +99,14 @@ def _sampling_params(request: GenerationRequest, sample: int, max_tokens: int):
 
 async def handle_generation(request: Request, chat: bool):
     state: ServingState = request.app.ctx.serving
-    job = _prepare(state, request.body, chat)
+    # off the event loop: parsing, templating and tokenizing a long prompt there would hold up every open stream
+    job = await asyncio.to_thread(_prepare, state, request.body, chat)
     submission = _submit(state.engine_loop, job)
     try:
         if job.request.stream:
             await _stream(request, job, submission, state.sse_keepalive_s)
             return None
-        try:
-            finals = await _collect(submission, job.num_choices)
-        except EngineFailed as error:  # as a stream reports it, not as an unexpected error of the server's
-            raise APIError(500, str(error), type="server_error", code="engine_failed") from None
+        finals = await _collect(submission, job.num_choices)
         return response.json(full_response(job.header, job.prompt_lens, finals))
     finally:
         state.engine_loop.close(submission)
@@ -137,8 +141,11 @@ async def _stream(request: Request, job: Job, submission: Submission, keepalive_
         if job.request.include_usage:
             ordered = [finals[i] for i in range(job.num_choices)]
             await stream.send(sse_event(usage_chunk(job.header, job.prompt_lens, ordered)))
-    except EngineFailed as error:
-        await stream.send(sse_event(APIError(500, str(error), type="server_error", code="engine_failed").body()))
+    except APIError as error:  # the request or the engine failed
+        await stream.send(sse_event(error.body()))
+    except Exception as error:
+        logger.exception("error while streaming %s", job.header.id)
+        await stream.send(sse_event(internal_error(error).body()))
     await stream.send(sse_event("[DONE]"))
 
 

@@ -3,7 +3,9 @@
 Per-request counters and histograms are fed by the engine thread from each step's outputs; engine gauges (running,
 waiting, KV usage, prefix cache) are read from the engine when /metrics is scraped, so they are never stale.
 The forward-pass counter sums each finished request's denoising forwards (its NFE):
-generation_tokens_total / request_forward_passes_total is the mean tokens per forward.
+generation_tokens_total / request_forward_passes_total is the mean tokens per forward. num_requests_total counts
+every finished request, as TokenSpeed's num_requests does (vLLM has none); request_success_total splits the same
+count by finish reason (abort included).
 """
 
 import time
@@ -59,6 +61,8 @@ class ServerMetrics:
         disable_created_metrics()  # process-wide (the server owns its process): no *_created sample per series
         self.registry = CollectorRegistry()
         self.registry.register(_EngineGauges(get_engine))
+        self.num_requests = Counter(f"{PREFIX}num_requests", "Finished requests, whatever the finish reason.",
+                                    registry=self.registry)
         self.requests = Counter(f"{PREFIX}request_success", "Finished requests by finish reason.",
                                 ["finished_reason"], registry=self.registry)
         for reason in FINISH_REASONS:
@@ -85,16 +89,15 @@ class ServerMetrics:
     def _histogram(self, name: str, documentation: str, buckets) -> Histogram:
         return Histogram(f"{PREFIX}{name}", documentation, buckets=buckets, registry=self.registry)
 
-    def observe_outputs(self, outputs: list[RequestOutput]) -> None:
-        now = time.monotonic()  # the engine thread calls this as each step's outputs arrive
-        for output in outputs:
-            self.generation_tokens.inc(len(output.new_token_ids))
-            self._observe_inter_token_latency(output, now)
-            first_block = output.new_token_ids and len(output.new_token_ids) == len(output.token_ids)
-            if first_block and output.stats.get("time_to_first_block_ms") is not None:  # as it happens, aborts too
-                self.ttft.observe(output.stats["time_to_first_block_ms"] / 1e3)
-            if output.finished:
-                self._observe_finished(output)
+    def observe_output(self, output: RequestOutput) -> None:
+        """The engine thread calls this for each output of a step, as it arrives."""
+        self.generation_tokens.inc(len(output.new_token_ids))
+        self._observe_inter_token_latency(output, time.monotonic())
+        first_block = output.new_token_ids and len(output.new_token_ids) == len(output.token_ids)
+        if first_block and output.stats.get("time_to_first_block_ms") is not None:  # as it happens, aborts too
+            self.ttft.observe(output.stats["time_to_first_block_ms"] / 1e3)
+        if output.finished:
+            self._observe_finished(output)
 
     def _observe_inter_token_latency(self, output: RequestOutput, now: float) -> None:
         """A block commits several tokens at once: n samples of interval / n (the first commit is TTFT's)."""
@@ -109,6 +112,7 @@ class ServerMetrics:
 
     def _observe_finished(self, output: RequestOutput) -> None:
         stats = output.stats
+        self.num_requests.inc()
         self.requests.labels(output.finish_reason).inc()
         self.prompt_tokens.inc(len(output.prompt_token_ids))
         self.forward_passes.inc(stats["forward_passes"])

@@ -37,6 +37,12 @@ def invalid(param: str, message: str) -> APIError:
     return APIError(400, message, param=param, code="invalid_value")
 
 
+def internal_error(error: Exception) -> APIError:
+    """An unexpected failure of the server's own while serving one request."""
+    return APIError(500, f"internal server error: {type(error).__name__}: {error}", type="server_error",
+                    code="internal_error")
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingDefaults:
     """Values for fields a request leaves out: the model's generation_config.json, else OpenAI's defaults."""

@@ -1,6 +1,7 @@
 """The server end to end: a real `python -m jaxllm.server serve` process on a tiny checkpoint, started once for the
 module and driven through the official openai client and raw httpx: OpenAI shapes, SSE invariants, errors, auth,
-disconnects, load, /metrics, and tools/bench_serving.py against it."""
+disconnects, load, /metrics, and tools/bench_serving.py against it. Failures no real engine produces on demand run
+on servers with a stand-in engine (fake_engine_server.py)."""
 
 import asyncio
 import dataclasses
@@ -18,6 +19,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from jaxllm.server import cli
+from tests.server import fake_engine_server
 
 API_KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -31,6 +33,8 @@ SERVER_FLAGS = ["--served-model-name", MODEL, "--max-num-seqs", str(MAX_NUM_SEQS
                 "--api-key", API_KEY, "--log-level", "warning"]
 STARTUP_TIMEOUT_S = 300
 REPO = pathlib.Path(__file__).resolve().parents[2]
+FAKE_SERVER = [sys.executable, fake_engine_server.__file__]
+FAKE_MODEL = fake_engine_server.MODEL
 ABORTED = 'jaxllm:request_success_total{finished_reason="abort"}'
 LENGTH = 'jaxllm:request_success_total{finished_reason="length"}'
 KV_USAGE = "jaxllm:kv_cache_usage_perc"
@@ -76,17 +80,21 @@ def _stop(process: subprocess.Popen) -> None:
         process.wait()
 
 
-def _launch(checkpoint: pathlib.Path, tmp_path_factory) -> tuple[subprocess.Popen, str, pathlib.Path]:
-    """A server process on a free port: (process, url, log path)."""
+def _spawn(command: list[str], tmp_path_factory) -> tuple[subprocess.Popen, str, pathlib.Path]:
+    """`command --port P` for a free port P: (process, url, log path)."""
     port = _free_port()
     log_path = tmp_path_factory.mktemp("server") / "server.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen([*command, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    return process, f"http://127.0.0.1:{port}", log_path
+
+
+def _launch(checkpoint: pathlib.Path, tmp_path_factory) -> tuple[subprocess.Popen, str, pathlib.Path]:
+    """A server process on a free port: (process, url, log path)."""
     # shared by every server a test session starts, so only the first one compiles
     cache = tmp_path_factory.getbasetemp() / "jax_compilation_cache"
-    command = [sys.executable, "-m", "jaxllm.server", "serve", "--model", str(checkpoint), "--host", "127.0.0.1",
-               "--port", str(port), "--compilation-cache-dir", str(cache), *SERVER_FLAGS]
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-    return process, f"http://127.0.0.1:{port}", log_path
+    return _spawn([sys.executable, "-m", "jaxllm.server", "serve", "--model", str(checkpoint), "--host", "127.0.0.1",
+                   "--compilation-cache-dir", str(cache), *SERVER_FLAGS], tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +103,17 @@ def server(checkpoints, tmp_path_factory):
     process, url, log_path = _launch(checkpoint, tmp_path_factory)
     try:
         yield Server(url, checkpoint, _wait_until_ready(url, process, log_path))
+    finally:
+        _stop(process)
+
+
+@pytest.fixture(scope="module")
+def fake_server(tmp_path_factory):
+    """The url of a server on the stand-in engine, for the tests that leave it running."""
+    process, url, log_path = _spawn(FAKE_SERVER, tmp_path_factory)
+    try:
+        _wait_until_ready(url, process, log_path)
+        yield url
     finally:
         _stop(process)
 
@@ -134,6 +153,14 @@ def wait_for_idle_pool(url: str, timeout: float = 20.0) -> dict[str, float]:
             assert idle == (0, 0, 0), f"running, waiting, KV usage stayed at {idle}"
             return samples
         time.sleep(0.05)
+
+
+async def first_data_line(lines) -> str | None:
+    """Read an SSE stream's lines up to its first event, which is returned; the rest stay unread."""
+    async for line in lines:
+        if line.startswith("data: "):
+            return line
+    return None
 
 
 def sse_events(lines) -> tuple[list, int]:
@@ -412,6 +439,29 @@ def test_200_concurrent_requests_are_all_answered_and_the_pool_returns_to_baseli
     wait_for_idle_pool(server.url)
 
 
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_a_long_prompt_is_tokenized_off_the_event_loop(server, route):
+    """Templating and tokenizing a prompt of 700 kB takes about half a second; /health keeps answering meanwhile (the
+    prompt is then refused: it is longer than the context)."""
+    text = "def f(x):\n    return x + 1\n" * 25_000
+    prompt = {"prompt": text} if route == "completions" else {"messages": [{"role": "user", "content": text}]}
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=60) as session:
+            start = time.monotonic()
+            long_request = asyncio.create_task(session.post(f"/v1/{route}", json={"model": MODEL, **prompt}))
+            health_latencies = []
+            while not long_request.done():
+                sent = time.monotonic()
+                assert (await session.get("/health")).status_code == 200
+                health_latencies.append(time.monotonic() - sent)
+            return await long_request, max(health_latencies), time.monotonic() - start
+
+    refused, slowest_health, elapsed = asyncio.run(scenario())
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
+    assert slowest_health < elapsed / 4, f"/health took {slowest_health:.3f}s of the request's {elapsed:.3f}s"
+
+
 # metrics
 
 
@@ -424,7 +474,7 @@ def test_metrics_count_requests_tokens_forwards_and_latencies(server, http):
     def change(name: str) -> float:
         return after[name] - before[name]
 
-    assert change(LENGTH) == 1 and change(ABORTED) == 0
+    assert change(LENGTH) == 1 and change(ABORTED) == 0 and change("jaxllm:num_requests_total") == 1
     assert change("jaxllm:prompt_tokens_total") == response["usage"]["prompt_tokens"]
     assert change("jaxllm:generation_tokens_total") == 8
     assert change("jaxllm:request_forward_passes_total") == response["metrics"]["forward_passes"]
@@ -455,6 +505,78 @@ def test_cached_tokens_count_each_prompt_once_with_several_choices(client):
         usage = client.chat.completions.create(model=MODEL, messages=messages, n=3, max_tokens=4, temperature=1.0,
                                                seed=2).usage
     assert 0 < usage.prompt_tokens_details.cached_tokens <= usage.prompt_tokens
+
+
+# failures, on the stand-in engine
+
+
+def test_a_request_whose_output_the_server_cannot_handle_fails_alone(fake_server):
+    """An exception while the engine thread handles one request's output (its stats break the metrics) fails that
+    request, streamed or not, with internal_error; a stream running meanwhile and later requests are served."""
+    running = {"model": FAKE_MODEL, "prompt": "fine", "max_tokens": 200, "stream": True}
+    poisoned = {"model": FAKE_MODEL, "prompt": fake_engine_server.POISON, "max_tokens": 3}
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=fake_server, timeout=30) as session:
+            async with session.stream("POST", "/v1/completions", json=running) as stream:
+                lines = stream.aiter_lines()
+                first = await first_data_line(lines)
+                failed = await session.post("/v1/completions", json=poisoned)
+                async with session.stream("POST", "/v1/completions", json={**poisoned, "stream": True}) as failing:
+                    failed_stream = [line async for line in failing.aiter_lines()]
+                running_stream = [first] + [line async for line in lines]
+            later = await session.post("/v1/completions", json={**poisoned, "prompt": "fine"})
+        return failed, failed_stream, running_stream, later
+
+    failed, failed_stream, running_stream, later = asyncio.run(scenario())
+    assert failed.status_code == 500 and failed.json()["error"]["code"] == "internal_error"
+    events, _ = sse_events(failed_stream)
+    assert events[-2]["error"]["code"] == "internal_error" and events[-1] == "[DONE]"
+    assert all(event["choices"][0]["finish_reason"] is None for event in events[:-2])
+    events, _ = sse_events(running_stream)
+    assert "".join(event["choices"][0]["text"] for event in events[:-1]) == "a" * 200
+    assert events[-2]["choices"][0]["finish_reason"] == "length" and events[-1] == "[DONE]"
+    assert later.status_code == 200 and later.json()["choices"][0]["text"] == "aaa"
+
+
+def test_prompts_added_before_one_the_engine_refuses_unexpectedly_are_aborted(fake_server):
+    """A request's prompts are added all or none: the 500 leaves nothing running."""
+    aborted = scrape(fake_server)[ABORTED]
+    body = {"model": FAKE_MODEL, "prompt": ["fine", fake_engine_server.REFUSE], "max_tokens": 10**6}
+    response = httpx.post(f"{fake_server}/v1/completions", json=body, timeout=30)
+    assert response.status_code == 500 and response.json()["error"]["code"] == "internal_error"
+    assert wait_for_idle_pool(fake_server)[ABORTED] == aborted + 1
+
+
+def test_an_engine_failure_fails_the_requests_in_flight_and_stops_the_server(tmp_path_factory):
+    """When the engine's step raises, every request in flight gets engine_failed (a stream as an error event before
+    [DONE]) and the server exits with status 1 for a supervisor to restart it, instead of answering 503 for ever."""
+    process, url, log_path = _spawn(FAKE_SERVER, tmp_path_factory)
+    endless = {"model": FAKE_MODEL, "prompt": "fine", "max_tokens": 10**6}
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=url, timeout=30) as session:
+            non_streamed = asyncio.create_task(session.post("/v1/completions", json=endless))
+            async with session.stream("POST", "/v1/completions", json={**endless, "stream": True}) as stream:
+                lines = stream.aiter_lines()
+                first = await first_data_line(lines)
+                while scrape(url)["jaxllm:num_requests_running"] < 2:
+                    await asyncio.sleep(0.01)
+                crashing = await session.post("/v1/completions", json={**endless, "prompt": fake_engine_server.CRASH})
+                streamed = [first] + [line async for line in lines]
+            return await non_streamed, crashing, streamed
+
+    try:
+        _wait_until_ready(url, process, log_path)
+        non_streamed, crashing, streamed = asyncio.run(scenario())
+        exit_status = process.wait(timeout=30)
+    finally:
+        _stop(process)
+    for response in (non_streamed, crashing):
+        assert response.status_code == 500 and response.json()["error"]["code"] == "engine_failed"
+    events, _ = sse_events(streamed)
+    assert events[-2]["error"]["code"] == "engine_failed" and events[-1] == "[DONE]"
+    assert exit_status == 1 and "the engine failed" in log_path.read_text()
 
 
 # the benchmark client
