@@ -1,6 +1,8 @@
 """The engine end to end on a tiny confident checkpoint: batching, determinism, preemption, prefix cache, aborts,
 compile-free serving after warm-up, stops and strategies."""
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -241,3 +243,17 @@ def test_the_mask_id_comes_from_the_option_then_config_json_then_the_tokenizer(c
     assert LLM(checkpoints("sdar", mask_token_id=5)).engine.mask_token_id == 5
     assert LLM(checkpoints("sdar", mask_token_id=5), mask_token_id=7).engine.mask_token_id == 7
     assert LLM(checkpoints("llada2")).engine.mask_token_id == 1  # the project tokenizer's <|mask|>
+
+
+def test_outputs_are_decoded_while_another_thread_tokenizes_a_prompt(llm):
+    """The server tokenizes prompts in worker threads while the engine thread decodes outputs; sharing one tokenizer
+    lock, every stream stalled behind a long prompt's tokenization."""
+    finished = threading.Event()
+
+    def generate():
+        llm.generate([PROMPTS[0]], SamplingParams(max_tokens=4))
+        finished.set()
+
+    with llm.engine._tokenizer_lock:  # held as by a thread tokenizing a long prompt
+        threading.Thread(target=generate, daemon=True).start()
+        assert finished.wait(timeout=60)
