@@ -106,12 +106,15 @@ class EngineLoop:
             self._loop.call_soon_threadsafe(on_failure)
 
     def _serve(self, engine: LLMEngine) -> None:
-        forwards = engine.num_forwards
+        steps, forwards = engine.num_steps, engine.num_forwards
         while not self._stopping.is_set():
             if not engine.has_unfinished_requests():
                 engine.wait_for_work(IDLE_WAIT_S)
                 continue
             outputs = engine.step()  # an exception here is the engine's: _run stops the server
+            if engine.num_steps != steps:  # this step ran a prefill or a decode round
+                steps = engine.num_steps
+                self._metrics.observe_step_tokens(engine.last_step_tokens)
             if engine.num_forwards != forwards:  # this step ran a decode round
                 forwards = engine.num_forwards
                 self._metrics.observe_forward_time(engine.last_forward_time)
@@ -164,7 +167,7 @@ class EngineLoop:
             self.engine.add_request(prompt, params, request_id)
         except QueueFull as error:
             raise APIError(429, f"The request queue is full: {error}.", type="rate_limit_error",
-                           code="queue_full") from None
+                           code="scheduler_queue_full") from None
         except ValueError as error:
             message = str(error)
             code = "context_length_exceeded" if message.startswith("This model's maximum context length") else None

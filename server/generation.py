@@ -11,6 +11,7 @@ that cancels it, an error), `finally` closes the submission, which aborts unfini
 import asyncio
 import dataclasses
 import logging
+import uuid
 
 import jinja2
 from sanic import Request, response
@@ -76,7 +77,8 @@ def _prepare(state: ServingState, raw_body: bytes, chat: bool) -> Job:
     engine = state.engine_loop.engine
     parse = parse_chat_request if chat else parse_completion_request
     request = parse(parse_json(raw_body), state.model_name, state.sampling_defaults, engine.model_config.vocab_size)
-    return Job(ResponseHeader.new(chat, request.stream, state.model_name), request, _tokenize(engine, request))
+    return Job(ResponseHeader.new(chat, request.stream, state.model_name, request.rid), request,
+               _tokenize(engine, request))
 
 
 def _submit(engine_loop: EngineLoop, job: Job) -> Submission:
@@ -86,7 +88,9 @@ def _submit(engine_loop: EngineLoop, job: Job) -> Submission:
         for sample in range(n):
             prompts.append(ids)
             params.append(_sampling_params(job.request, sample, max_tokens))
-    request_ids = [f"{job.header.id}-{i}" for i in range(job.num_choices)]
+    # the response id names the engine requests in logs; a random part keeps them unique when clients reuse a rid
+    engine_id = f"{job.header.id}-{uuid.uuid4().hex[:12]}"
+    request_ids = [f"{engine_id}-{i}" for i in range(job.num_choices)]
     return engine_loop.submit(prompts, params, request_ids)
 
 

@@ -30,6 +30,7 @@ PER_TOKEN_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
                      2.5, 5.0)
 FORWARD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512,
                    1.0)
+ITERATION_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 class _EngineGauges:
@@ -84,6 +85,8 @@ class ServerMetrics:
                                             FORWARD_BUCKETS)
         self.itl = self._histogram("inter_token_latency_seconds", "Time between a request's commits over the tokens "
                                    "the later one committed, one sample per token.", PER_TOKEN_BUCKETS)
+        self.iteration_tokens = self._histogram("iteration_tokens_total", "Tokens per engine step: prompt tokens "
+                                                "prefilled, or output tokens committed.", ITERATION_TOKEN_BUCKETS)
         self._last_commit: dict[str, float] = {}  # request id -> when its last tokens were committed
 
     def _histogram(self, name: str, documentation: str, buckets) -> Histogram:
@@ -131,6 +134,9 @@ class ServerMetrics:
 
     def observe_forward_time(self, seconds: float) -> None:
         self.forward_time.observe(seconds)
+
+    def observe_step_tokens(self, num_tokens: int) -> None:
+        self.iteration_tokens.observe(num_tokens)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

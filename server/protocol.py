@@ -18,6 +18,7 @@ logger = logging.getLogger("jaxllm.server")
 
 MAX_N = 128
 MAX_STOP_STRINGS = 4
+MAX_RID_LEN = 256  # an id, not a payload: it is echoed in every chunk and in the logs
 SEED_MODULUS = 2**32  # SamplingParams seeds are u32; larger or negative client seeds wrap
 
 
@@ -74,6 +75,7 @@ class GenerationRequest:
     ignore_eos: bool
     stream: bool
     include_usage: bool
+    rid: str | None  # the client's id for the request (SGLang's extension): the response's id
 
     def sampling_params(self, choice: int, max_tokens: int) -> SamplingParams:
         """Parameters of the choice-th sample of a prompt: seed + choice when the request is seeded."""
@@ -180,7 +182,7 @@ _NEUTRAL = {
     "min_tokens": lambda v: v is None or v == 0,
 }
 _COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
-                  "ignore_eos", "n", "stream", "stream_options", "user", "logprobs", "tool_choice", "metadata",
+                  "ignore_eos", "n", "stream", "stream_options", "user", "logprobs", "tool_choice", "metadata", "rid",
                   *_NEUTRAL}
 
 
@@ -223,7 +225,15 @@ def _read_common(body: dict, defaults: SamplingDefaults, vocab_size: int, max_to
         "ignore_eos": _read_bool(body, "ignore_eos"),
         "stream": stream,
         "include_usage": include_usage,
+        "rid": _read_rid(body),
     }
+
+
+def _read_rid(body: dict) -> str | None:
+    rid = body.get("rid")
+    if rid is not None and not (isinstance(rid, str) and rid and rid.isprintable() and len(rid) <= MAX_RID_LEN):
+        raise invalid("rid", f"rid must be a non-empty printable string of at most {MAX_RID_LEN} characters")
+    return rid
 
 
 def _read_prompts(body: dict, vocab_size: int) -> list[str | list[int]]:

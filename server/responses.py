@@ -24,10 +24,11 @@ class ResponseHeader:
     model: str
 
     @classmethod
-    def new(cls, chat: bool, stream: bool, model: str) -> "ResponseHeader":
+    def new(cls, chat: bool, stream: bool, model: str, rid: str | None = None) -> "ResponseHeader":
+        """rid: the client's id for the request; None: a fresh one."""
         prefix, kind = ("chatcmpl", "chat.completion") if chat else ("cmpl", "text_completion")
         kind += ".chunk" if chat and stream else ""
-        return cls(f"{prefix}-{uuid.uuid4().hex}", kind, int(time.time()), model)
+        return cls(rid or f"{prefix}-{uuid.uuid4().hex}", kind, int(time.time()), model)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

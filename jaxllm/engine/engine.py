@@ -134,6 +134,7 @@ class LLMEngine:
         self.num_decode_rounds = 0  # device calls of the denoising loop
         self.decode_time = 0.0  # seconds spent in decode rounds
         self.last_forward_time = 0.0
+        self.last_step_tokens = 0  # what the last step did: prompt tokens prefilled, or output tokens committed
 
     # set-up
 
@@ -299,8 +300,11 @@ class LLMEngine:
         if isinstance(batch, PrefillBatch):
             self.runner.run_prefill(batch)
             self.scheduler.postprocess_prefill(batch)
+            self.last_step_tokens = sum(batch.chunk_lens)
             return outputs
-        return outputs + self._decode(batch)
+        decoded = self._decode(batch)
+        self.last_step_tokens = sum(len(output.new_token_ids) for output in decoded)
+        return outputs + decoded
 
     def _decode(self, batch: DecodeBatch) -> list[RequestOutput]:
         jax.block_until_ready(self.runner.kv)  # a prefill still running is not decode time

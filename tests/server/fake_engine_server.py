@@ -39,6 +39,8 @@ class FakeEngine:
 
     max_model_len = 1 << 20
     model_config = types.SimpleNamespace(vocab_size=256)
+    num_steps = 0
+    last_step_tokens = 0
     num_forwards = 0
     last_forward_time = 0.0
     kv_cache_usage = 0.0

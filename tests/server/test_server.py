@@ -4,6 +4,7 @@ disconnects, load, /metrics, and tools/bench_serving.py against it. Failures no 
 on servers with a stand-in engine (fake_engine_server.py)."""
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import json
 import pathlib
@@ -340,6 +341,8 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "x", "min_tokens": 3}, 400, "invalid_value"),
     ("completions", {"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}}, 400,
      "invalid_value"),
+    ("completions", {"prompt": "x", "rid": ""}, 400, "invalid_value"),
+    ("completions", {"prompt": "x", "rid": 7}, 400, "invalid_value"),
     ("completions", {"prompt": "x", "model": "gpt-4"}, 404, "model_not_found"),
     ("completions", {"prompt": "x", "max_tokens": 100}, 400, "context_length_exceeded"),
     ("completions", {"prompt": list(range(10, 80))}, 400, "context_length_exceeded"),
@@ -366,6 +369,19 @@ def test_a_bad_request_gets_an_openai_error_with_the_right_status(http, route, b
         assert error["message"].startswith(f"This model's maximum context length is {MAX_MODEL_LEN} tokens.")
 
 
+def test_a_rid_becomes_the_response_id_even_when_two_requests_share_it(http):
+    body = {"model": MODEL, "max_tokens": 4, "rid": "job-42"}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        completion, chat = pool.map(lambda route_body: http.post(route_body[0], json=route_body[1]), [
+            ("/v1/completions", {**body, "prompt": "abc", "n": 2}),
+            ("/v1/chat/completions", {**body, "messages": [{"role": "user", "content": "hi"}]})])
+    assert completion.json()["id"] == chat.json()["id"] == "job-42"
+    assert len(completion.json()["choices"]) == 2 and chat.json()["choices"][0]["finish_reason"]
+    with http.stream("POST", "/v1/completions", json={**body, "prompt": "abc", "stream": True}) as response:
+        events, _ = sse_events(response.iter_lines())
+    assert {event["id"] for event in events[:-1]} == {"job-42"}
+
+
 def test_an_empty_stop_token_ids_list_is_accepted(http):
     """Some clients send every field with its empty default."""
     response = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2, "stop_token_ids": []})
@@ -381,7 +397,7 @@ def test_unknown_routes_and_methods_get_json_errors(http):
 def test_a_full_waiting_queue_answers_429_and_leaves_no_pages_behind(server, http):
     body = {"model": MODEL, "prompt": ["a", "b", "c"], "n": 128, "max_tokens": 4}  # 384 > 256 waiting + 4 running
     response = http.post("/v1/completions", json=body)
-    assert response.status_code == 429 and response.json()["error"]["code"] == "queue_full"
+    assert response.status_code == 429 and response.json()["error"]["code"] == "scheduler_queue_full"
     wait_for_idle_pool(server.url)
     assert http.post("/v1/completions", json={**body, "prompt": "a", "n": 1}).status_code == 200
 
@@ -482,6 +498,10 @@ def test_metrics_count_requests_tokens_forwards_and_latencies(server, http):
                       "request_time_per_output_token_seconds"):
         assert change(f"jaxllm:{histogram}_count") == 1
     assert change("jaxllm:forward_time_seconds_count") >= 1
+    # every step: the prompt tokens it prefilled (the cached ones are not), or the output tokens it committed
+    cached = response["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    assert change("jaxllm:iteration_tokens_total_sum") == response["usage"]["prompt_tokens"] - cached + 8
+    assert change("jaxllm:iteration_tokens_total_count") >= 2
     # a sample per token after the first commit (its blocks commit the 8 tokens in 2-3 steps)
     assert 1 <= change("jaxllm:inter_token_latency_seconds_count") <= 7
     assert after["jaxllm:prefix_cache_queries_total"] >= after["jaxllm:prefix_cache_hits_total"] >= 0
