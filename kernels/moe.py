@@ -29,8 +29,9 @@ Pallas path, all on device with static shapes:
      tile_expert[r]'s gate and up columns -> act[R*bm, I] = silu(gate) * up;
   3. down kernel, grid (R, H/bn): act rows @ that expert's w_down -> out_rows[R*bm, H];
   4. out[t] = sum_c w[t,c] * out_rows[row of (t, c)] (a gather and a sum over C).
-Row tiles past the last group have tile_expert = -1 and return at once, so empty experts and unused padding cost
-no weight reads: a batch touches only its experts' weights, once per row tile.
+Row tiles that hold no rows (past the last group; an untouched expert's, every-token) have tile_expert = -1 and
+return at once, so empty experts and unused padding cost no weight reads: a batch touches only its experts'
+weights, once per row tile.
 """
 
 import dataclasses
@@ -248,15 +249,23 @@ def _fit_block(dim, preferred):
     return block
 
 
-def default_tiles(num_tokens, top_k, num_experts, hidden, inter, upcast_weights=False):
+WEIGHT_FORMATS = ("plain", "upcast", "fp8_activations")
+
+
+def default_tiles(num_tokens, top_k, num_experts, hidden, inter, weights="plain"):
     """Tiles by the mean rows per expert: small tiles stream weights at decode sizes, large ones feed tensor cores.
 
-    Picked from the H200 sweeps in tools/bench_moe.py (LLaDA2.0-mini shapes, JAX 0.11.2). upcast_weights: int8 or
-    e4m3 weights that the kernels up-cast to the activations' dtype. Up to _EVERY_TOKEN_MAX_TOKENS tokens a plain
-    weight's row tile grows to hold them all, so the grouping is only which experts are touched (`_group_by_expert`):
-    LLaDA2 batch 1 2.732 -> 2.632 ms per forward (engine run 11). Up-cast weights keep 16 rows: their gate/up kernel
-    took 48 us per layer at 32 rows against 37 at 16 (H200, 32 tokens, 48 experts), more than the grouping saves.
+    Picked from the H200 sweeps in tools/bench_moe.py (LLaDA2.0-mini shapes, JAX 0.11.2). weights: "plain" (the
+    activations' dtype), "upcast" (int8 or e4m3 weights that the kernels up-cast to the activations' dtype) or
+    "fp8_activations" (e4m3 x e4m3 products, tiled as plain). Up to _EVERY_TOKEN_MAX_TOKENS tokens a plain weight's
+    row tile grows to hold them all, so the grouping is only which experts are touched (`_group_by_expert`): LLaDA2
+    batch 1 2.732 -> 2.632 ms per forward (engine run 11). Up-cast weights keep 16 rows: their gate/up kernel took
+    48 us per layer at 32 rows against 37 at 16 (H200, 32 tokens, 48 experts), more than the grouping saves; fp8 x
+    fp8 at 32 rows is unmeasured, so it keeps 16 too.
     """
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"unknown weight format {weights!r}; use one of {WEIGHT_FORMATS}")
+    upcast_weights = weights == "upcast"
     rows_per_expert = num_tokens * top_k / num_experts
     if rows_per_expert <= 16 and upcast_weights:  # memory-bound, 1-byte weights: deep k tiles keep bytes in flight,
         # 8 warps share the up-cast of a 64 x 256 tile (MoE run 8)
@@ -269,7 +278,7 @@ def default_tiles(num_tokens, top_k, num_experts, hidden, inter, upcast_weights=
         block_m, gate_up, down = 128, GemmTiles(64, 64, 8, 3), GemmTiles(128, 64, 8, 3)
     else:  # compute-bound
         block_m, gate_up, down = 128, GemmTiles(128, 64, 8, 4), GemmTiles(256, 64, 8, 3)
-    if num_tokens <= _EVERY_TOKEN_MAX_TOKENS and not upcast_weights:
+    if num_tokens <= _EVERY_TOKEN_MAX_TOKENS and weights == "plain":
         block_m = max(block_m, 1 << (num_tokens - 1).bit_length())
     return MoeTiles(
         block_m,
@@ -299,7 +308,7 @@ def _num_row_tiles(num_assignments, num_experts, block_m):
 
 class ExpertGroups(NamedTuple):
     row_token: jax.Array  # i32[R * bm]  token of each padded row; padding rows read token 0, and nobody reads them
-    tile_expert: jax.Array  # i32[R]  expert of each row tile; -1 past the last group
+    tile_expert: jax.Array  # i32[R]  expert of each row tile; -1 for a tile without rows
     assignment_row: jax.Array  # i32[T, C]  padded row that holds assignment (t, c)
 
 
@@ -580,8 +589,9 @@ def _moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, *, fp8
     num_tokens, hidden = x.shape
     num_experts, _, two_inter = w_gate_up.shape
     if tiles is None:
-        upcast = isinstance(w_gate_up, QuantizedWeight) and not fp8_activations
-        tiles = default_tiles(num_tokens, expert_ids.shape[1], num_experts, hidden, two_inter // 2, upcast)
+        weights = ("fp8_activations" if fp8_activations else "upcast" if isinstance(w_gate_up, QuantizedWeight)
+                   else "plain")
+        tiles = default_tiles(num_tokens, expert_ids.shape[1], num_experts, hidden, two_inter // 2, weights)
     _check_tiles(tiles, hidden, two_inter // 2)
     groups = _group_by_expert(expert_ids, num_experts, tiles.block_m)
 

@@ -5,9 +5,10 @@ and read their outputs from an asyncio queue that this thread feeds with loop.ca
 ever polls. Closing a submission that has not finished aborts its engine requests, which frees their pages at the
 next step.
 
-An exception while the server handles one request's output fails that request alone. An engine that fails to start,
-or whose step raises, is broken: the handlers waiting on it get `engine_failed` and the server stops, so that its
-exit status (1) tells a supervisor to restart it, as vLLM does, instead of answering 503 for ever.
+Metrics are best-effort: an error while recording them is logged, and the outputs still reach their requests. An
+engine that fails to start, or whose step raises, is broken: the handlers waiting on it get `engine_failed` and the
+server stops, so that its exit status (1) tells a supervisor to restart it, as vLLM does, instead of answering 503
+for ever.
 """
 
 import asyncio
@@ -19,7 +20,7 @@ from jaxllm.engine.engine import LLMEngine, QueueFull
 from jaxllm.engine.request import RequestOutput
 from jaxllm.sampling import SamplingParams
 from jaxllm.server.metrics import ServerMetrics
-from jaxllm.server.protocol import APIError, internal_error
+from jaxllm.server.protocol import APIError
 
 logger = logging.getLogger("jaxllm.server")
 
@@ -48,7 +49,7 @@ class Submission:
         pending = [first] + [self.queue.get_nowait() for _ in range(self.queue.qsize())]
         updates: dict[int, RequestOutput] = {}
         for output in pending:
-            if isinstance(output, APIError):  # this request, or the whole engine, failed
+            if isinstance(output, APIError):  # the engine failed
                 raise output
             choice = self._choice_of[output.request_id]
             if choice in updates:
@@ -101,8 +102,7 @@ class EngineLoop:
         """Fail the handlers waiting on the engine, then stop the server (call_soon_threadsafe keeps that order)."""
         self.ready, self.failure = False, error
         if not self._stopping.is_set():  # once stopped, the server may close the event loop
-            failed = APIError(500, f"the engine failed: {error}", type="server_error", code="engine_failed")
-            self._loop.call_soon_threadsafe(self._fail_all, failed)
+            self._loop.call_soon_threadsafe(self._fail_all, f"the engine failed: {error}")
             self._loop.call_soon_threadsafe(on_failure)
 
     def _serve(self, engine: LLMEngine) -> None:
@@ -113,23 +113,22 @@ class EngineLoop:
                 continue
             outputs = engine.step()  # an exception here is the engine's: _run stops the server
             if engine.num_steps != steps:  # this step ran a prefill or a decode round
-                steps = engine.num_steps
-                self._metrics.observe_step_tokens(engine.last_step_tokens)
+                self._record(self._metrics.observe_step_tokens, engine.last_step_tokens)
             if engine.num_forwards != forwards:  # this step ran a decode round
-                forwards = engine.num_forwards
-                self._metrics.observe_forward_time(engine.last_forward_time)
-            updates = [(output.request_id, self._observe(output)) for output in outputs]
-            if updates and not self._stopping.is_set():  # once stopped, the server may close the event loop
-                self._loop.call_soon_threadsafe(self._route, updates)
+                self._record(self._metrics.observe_forward_time, engine.last_forward_time)
+            steps, forwards = engine.num_steps, engine.num_forwards
+            for output in outputs:
+                self._record(self._metrics.observe_output, output)
+            if outputs and not self._stopping.is_set():  # once stopped, the server may close the event loop
+                self._loop.call_soon_threadsafe(self._route, outputs)
 
-    def _observe(self, output: RequestOutput) -> RequestOutput | APIError:
-        """The output, its metrics recorded; an error for its request alone if that raises."""
+    @staticmethod
+    def _record(observe: Callable, value) -> None:
+        """Metrics are best-effort: a bug in them must not cost requests their outputs, nor the engine its loop."""
         try:
-            self._metrics.observe_output(output)
-        except Exception as error:
-            logger.exception("error while handling an output of request %s", output.request_id)
-            return internal_error(error)
-        return output
+            observe(value)
+        except Exception:
+            logger.exception("error while recording metrics (%s)", observe.__name__)
 
     def stop(self) -> None:
         self._stopping.set()
@@ -138,15 +137,15 @@ class EngineLoop:
 
     # the event loop thread
 
-    def _route(self, updates: list[tuple[str, RequestOutput | APIError]]) -> None:
-        for request_id, update in updates:
-            submission = self._routes.get(request_id)
+    def _route(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            submission = self._routes.get(output.request_id)
             if submission is not None:
-                submission.queue.put_nowait(update)
+                submission.queue.put_nowait(output)
 
-    def _fail_all(self, error: APIError) -> None:
-        for submission in set(self._routes.values()):
-            submission.queue.put_nowait(error)
+    def _fail_all(self, message: str) -> None:
+        for submission in set(self._routes.values()):  # an error each: a raised error collects its raiser's frames
+            submission.queue.put_nowait(APIError(500, message, type="server_error", code="engine_failed"))
 
     def submit(self, prompts: list[list[int]], params: list[SamplingParams], request_ids: list[str]) -> Submission:
         """Add one engine request per (prompt, params, id); all or none are added. Raises APIError."""

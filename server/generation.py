@@ -148,7 +148,7 @@ async def _stream(request: Request, job: Job, submission: Submission, keepalive_
     except APIError as error:  # the request or the engine failed
         await stream.send(sse_event(error.body()))
     except Exception as error:
-        logger.exception("error while streaming %s", job.header.id)
+        logger.exception("error while streaming %s (engine requests %s)", job.header.id, submission.request_ids)
         await stream.send(sse_event(internal_error(error).body()))
     await stream.send(sse_event("[DONE]"))
 

@@ -115,10 +115,11 @@ class ServerMetrics:
 
     def _observe_finished(self, output: RequestOutput) -> None:
         stats = output.stats
+        forward_passes = stats["forward_passes"]  # read before anything counts: a request counts whole or not at all
         self.num_requests.inc()
         self.requests.labels(output.finish_reason).inc()
         self.prompt_tokens.inc(len(output.prompt_token_ids))
-        self.forward_passes.inc(stats["forward_passes"])
+        self.forward_passes.inc(forward_passes)
         if output.finish_reason == "abort":
             return
         seconds = {k: stats[k] / 1e3 for k in ("queue_time_ms", "time_to_first_block_ms", "total_time_ms")

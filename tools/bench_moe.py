@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.kernels.moe import (
+    WEIGHT_FORMATS,
     GemmTiles,
     MoeTiles,
     _group_by_expert,
@@ -182,17 +183,20 @@ def sweep_tiles(num_tokens):
     """Alternative tilings to time next to `default_tiles`, around the regime the default picks (each list starts
     with the regime's previous default). In the 16-row regime 1-byte weights want deeper k tiles than bf16 (MoE run 8:
     64 x 256 gate/up tiles on 8 warps, 1.64-1.66x bf16 at 32 tokens); some of those tiles need too much shared memory
-    for bf16 and fail to compile there."""
+    for bf16 and fail to compile there. Up to 32 tokens the 16-row tiles are also timed with rows for every token
+    (bf16's default there since engine run 11; int8's lost at 32 rows)."""
     block_m = default_tiles(num_tokens, TOP_K, EXPERTS, HIDDEN, INTER).block_m
-    if block_m <= 32:  # memory-bound (16 rows, or every token of <= 32): bf16's default, the 1-byte default, run 7's
-        # 1-byte default, then neighbours of the 1-byte one
-        return [MoeTiles(block_m, GemmTiles(128, 128, 4, 3), GemmTiles(256, 64, 4, 3)),
-                MoeTiles(block_m, GemmTiles(64, 256, 8, 3), GemmTiles(128, 128, 4, 3)),
-                MoeTiles(block_m, GemmTiles(32, 256, 4, 3), GemmTiles(128, 128, 4, 3)),
-                MoeTiles(block_m, GemmTiles(64, 256, 8, 4), GemmTiles(128, 128, 4, 3)),
-                MoeTiles(block_m, GemmTiles(128, 256, 8, 3), GemmTiles(128, 128, 4, 3)),
-                MoeTiles(block_m, GemmTiles(64, 512, 8, 2), GemmTiles(128, 128, 4, 3)),
-                MoeTiles(block_m, GemmTiles(64, 256, 8, 3), GemmTiles(128, 256, 4, 2))]
+    if block_m <= 32:  # memory-bound: bf16's 16-row default, the 1-byte default, run 7's 1-byte default, then
+        # neighbours of the 1-byte one
+        sixteen_rows = [MoeTiles(16, GemmTiles(128, 128, 4, 3), GemmTiles(256, 64, 4, 3)),
+                        MoeTiles(16, GemmTiles(64, 256, 8, 3), GemmTiles(128, 128, 4, 3)),
+                        MoeTiles(16, GemmTiles(32, 256, 4, 3), GemmTiles(128, 128, 4, 3)),
+                        MoeTiles(16, GemmTiles(64, 256, 8, 4), GemmTiles(128, 128, 4, 3)),
+                        MoeTiles(16, GemmTiles(128, 256, 8, 3), GemmTiles(128, 128, 4, 3)),
+                        MoeTiles(16, GemmTiles(64, 512, 8, 2), GemmTiles(128, 128, 4, 3)),
+                        MoeTiles(16, GemmTiles(64, 256, 8, 3), GemmTiles(128, 256, 4, 2))]
+        every_token = [dataclasses.replace(tiles, block_m=block_m) for tiles in sixteen_rows[:2]]
+        return sixteen_rows + (every_token if block_m > 16 else [])
     if block_m == 64:
         return [MoeTiles(64, GemmTiles(128, 64, 8, 3), GemmTiles(128, 64, 4, 3)),
                 MoeTiles(64, GemmTiles(64, 64, 4, 4), GemmTiles(128, 64, 4, 4)),
@@ -245,14 +249,18 @@ def bench_tokens(num_tokens, weights, kernel_weights, peaks, sweep, workers):
     jobs = variants(num_tokens, weights, kernel_weights, capacity, sweep)
     compiled = compile_all({key: (fn, (x, expert_ids, expert_weights, *pair)) for key, (fn, pair) in jobs.items()},
                            workers)
-    block_m = default_tiles(*ids.shape, EXPERTS, HIDDEN, INTER).block_m
-    grouping = jax.jit(functools.partial(_group_by_expert, num_experts=EXPERTS, block_m=block_m))
-    group_ms = measure(grouping, expert_ids) * 1e3  # the sort / padding metadata alone, inside the pallas time
-    print(f"[{num_tokens}] touched experts {touched}, largest group {capacity}, grouping {group_ms:.3f} ms",
-          flush=True)
+    # the grouping metadata alone (inside the pallas time) of each weight format's default tiles
+    group_ms = {}
+    for weight_format in WEIGHT_FORMATS:
+        block_m = default_tiles(*ids.shape, EXPERTS, HIDDEN, INTER, weight_format).block_m
+        grouping = jax.jit(functools.partial(_group_by_expert, num_experts=EXPERTS, block_m=block_m))
+        group_ms[weight_format] = measure(grouping, expert_ids) * 1e3
+    print(f"[{num_tokens}] touched experts {touched}, largest group {capacity}, grouping (ms) {group_ms}", flush=True)
     rows, outputs = [], {}
     for (mode, impl), executable in compiled.items():
-        row = {"tokens": num_tokens, "weights": mode, "impl": impl, "touched_experts": touched, "group_ms": group_ms}
+        weight_format = "plain" if mode == "bf16" else "fp8_activations" if impl == "pallas_fp8act" else "upcast"
+        row = {"tokens": num_tokens, "weights": mode, "impl": impl, "touched_experts": touched,
+               "group_ms": group_ms[weight_format]}
         if isinstance(executable, Exception):
             row["error"] = f"{type(executable).__name__}: {str(executable)[:300]}"
             print(f"[{num_tokens} {mode} {impl}] FAILED {row['error']}", flush=True)
@@ -306,8 +314,9 @@ def summary_table(rows, peaks):
                      f"{speedup:6.1f}")
     chosen = sorted({(k, v["impl"]) for k, v in best.items()})
     lines.append("pallas rows are the fastest tiling: " + "; ".join(f"{t} {w}: {i}" for (t, w), i in chosen))
-    lines.append("grouping (sort + padding metadata) ms: " + ", ".join(
-        sorted({f"{r['tokens']}: {r['group_ms']:.3f}" for r in rows}, key=lambda text: int(text.split(":")[0]))))
+    groupings = sorted({(r["tokens"], r["weights"], r["group_ms"]) for r in rows if r["impl"] == "pallas"})
+    lines.append("grouping (expert groups and padding metadata) ms, default tiles: " + ", ".join(
+        f"{tokens} {weights}: {ms:.3f}" for tokens, weights, ms in groupings))
     lines += _targets(best, ragged)
     return "\n".join(lines)
 

@@ -105,10 +105,9 @@ class LLMEngine:
         self.compilations_after_warmup = 0
         self.tokenizer = _load_tokenizer(model_dir)
         self._tokenizer_lock = threading.Lock()  # fast tokenizers raise "Already borrowed" when shared by threads
-        # the engine thread's outputs are decoded by a copy of their own: behind the lock of the request side, every
-        # stream stalled while a server thread tokenized a long prompt (~0.5 s for 700 kB)
+        # outputs are decoded by a copy of their own, used only by the thread that steps the engine (so unlocked):
+        # behind the lock of the request side, every stream stalled while a server thread tokenized a long prompt
         self._detokenizer = _load_tokenizer(model_dir)
-        self._detokenizer_lock = threading.Lock()
         self.model_config = model_config(model_dir)
         self.mask_token_id = self._resolve_mask_id()
         self.eos_token_ids = self._resolve_eos_ids(model_dir)
@@ -225,8 +224,7 @@ class LLMEngine:
             return self.tokenizer.encode(prompt, add_special_tokens=False)
 
     def _text_of(self, token_ids: list[int]) -> str:
-        with self._detokenizer_lock:
-            return self._detokenizer.decode(token_ids, skip_special_tokens=True)
+        return self._detokenizer.decode(token_ids, skip_special_tokens=True)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         with self._tokenizer_lock:

@@ -22,6 +22,7 @@ from jaxllm.kernels.moe import (
     _group_by_expert,
     _num_row_tiles,
     _upcast,
+    default_tiles,
     moe_experts,
     moe_experts_reference,
     route_grouped_sigmoid,
@@ -180,8 +181,11 @@ CASES = {
     "block_m32_bf16": (53, 4, 8, "random", jnp.bfloat16, None, False,
                        MoeTiles(32, gate_up=GemmTiles(16, 64, 4, 3), down=GemmTiles(64, 16, 4, 3))),
     "default_tiles_bf16": (37, 4, 8, "random", jnp.bfloat16, None, False, None),
-    # 32 tokens: the default tile holds them all, every_token grouping (an expert's tile computes every token)
+    # tokens that fit one tile: every_token grouping (an expert's tile computes every token; padding rows past T)
     "default_tiles_every_token_bf16": (32, 2, 16, "subset", jnp.bfloat16, None, False, None),
+    "fp8_every_token_padded_bf16": (20, 4, 8, "random", jnp.bfloat16, "fp8_channel_major", False,
+                                    MoeTiles(32, gate_up=GemmTiles(32, 32, 4, 2), down=GemmTiles(32, 32, 4, 2))),
+    "fp8_activations_every_token_bf16": (12, 4, 8, "random", jnp.bfloat16, "fp8_channel_major", True, SMALL_TILES),
     "default_tiles_compute_regime_int8": (200, 4, 8, "random", jnp.bfloat16, "int8", False, None),
     # the 1-byte default of <= 16 rows per expert, shrunk to these dims (64 x 128 gate/up); the full-size tiles are
     # checked to lower in test_full_size_layer_lowers_to_triton_for_cuda
@@ -262,6 +266,18 @@ def test_every_token_grouping_visits_each_touched_expert_once(num_tokens, block_
     np.testing.assert_array_equal(groups.tile_expert[rows // block_m], ids.ravel())
     np.testing.assert_array_equal(groups.row_token[rows], np.arange(ids.size) // ids.shape[1])
     assert (groups.row_token < num_tokens).all()
+
+
+def test_default_tiles_hold_every_token_of_one_window_for_plain_weights_only():
+    """Engine run 11: 32-row tiles at <= 32 tokens made LLaDA2's batch 1 faster with bf16 experts; int8's gate/up was
+    slower at 32 rows than at 16 (fp8 x fp8 unmeasured), so those keep 16."""
+    shape = (8, 256, 2048, 512)  # top-k, experts, hidden, expert width
+    assert default_tiles(32, *shape).block_m == 32 and default_tiles(20, *shape).block_m == 32
+    assert default_tiles(33, *shape).block_m == 16
+    for weights in ("upcast", "fp8_activations"):
+        assert default_tiles(32, *shape, weights).block_m == 16
+    with pytest.raises(ValueError, match="weight format"):
+        default_tiles(32, *shape, "int4")
 
 
 def test_every_token_grouping_refuses_tokens_beyond_one_tile():

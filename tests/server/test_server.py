@@ -4,7 +4,6 @@ disconnects, load, /metrics, and tools/bench_serving.py against it. Failures no 
 on servers with a stand-in engine (fake_engine_server.py)."""
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import json
 import pathlib
@@ -369,14 +368,11 @@ def test_a_bad_request_gets_an_openai_error_with_the_right_status(http, route, b
         assert error["message"].startswith(f"This model's maximum context length is {MAX_MODEL_LEN} tokens.")
 
 
-def test_a_rid_becomes_the_response_id_even_when_two_requests_share_it(http):
+def test_a_rid_becomes_the_response_id(http):
     body = {"model": MODEL, "max_tokens": 4, "rid": "job-42"}
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        completion, chat = pool.map(lambda route_body: http.post(route_body[0], json=route_body[1]), [
-            ("/v1/completions", {**body, "prompt": "abc", "n": 2}),
-            ("/v1/chat/completions", {**body, "messages": [{"role": "user", "content": "hi"}]})])
-    assert completion.json()["id"] == chat.json()["id"] == "job-42"
-    assert len(completion.json()["choices"]) == 2 and chat.json()["choices"][0]["finish_reason"]
+    completion = http.post("/v1/completions", json={**body, "prompt": "abc", "n": 2}).json()
+    chat = http.post("/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": "hi"}]}).json()
+    assert completion["id"] == chat["id"] == "job-42" and len(completion["choices"]) == 2
     with http.stream("POST", "/v1/completions", json={**body, "prompt": "abc", "stream": True}) as response:
         events, _ = sse_events(response.iter_lines())
     assert {event["id"] for event in events[:-1]} == {"job-42"}
@@ -531,8 +527,9 @@ def test_cached_tokens_count_each_prompt_once_with_several_choices(client):
 
 
 def test_a_request_whose_output_the_server_cannot_handle_fails_alone(fake_server):
-    """An exception while the engine thread handles one request's output (its stats break the metrics) fails that
-    request, streamed or not, with internal_error; a stream running meanwhile and later requests are served."""
+    """A request whose output the server cannot turn into a response (its stats lack what the metrics need) fails
+    alone, streamed or not, with internal_error; the engine thread logs the metrics error and goes on, and a stream
+    running meanwhile and later requests are served."""
     running = {"model": FAKE_MODEL, "prompt": "fine", "max_tokens": 200, "stream": True}
     poisoned = {"model": FAKE_MODEL, "prompt": fake_engine_server.POISON, "max_tokens": 3}
 
@@ -557,6 +554,26 @@ def test_a_request_whose_output_the_server_cannot_handle_fails_alone(fake_server
     assert "".join(event["choices"][0]["text"] for event in events[:-1]) == "a" * 200
     assert events[-2]["choices"][0]["finish_reason"] == "length" and events[-1] == "[DONE]"
     assert later.status_code == 200 and later.json()["choices"][0]["text"] == "aaa"
+
+
+def test_requests_sharing_a_rid_are_served_apart(fake_server):
+    """Clients reuse rids: a second request under a running one's rid must not take over its engine request."""
+    running = {"model": FAKE_MODEL, "prompt": "fine", "max_tokens": 400, "stream": True, "rid": "job-42"}
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=fake_server, timeout=30) as session:
+            async with session.stream("POST", "/v1/completions", json=running) as stream:
+                lines = stream.aiter_lines()
+                first = await first_data_line(lines)
+                other = await session.post("/v1/completions", json={**running, "stream": False, "max_tokens": 3})
+                return other, [first] + [line async for line in lines]
+
+    # bounded: a stream whose engine request was taken over gets only keep-alive pings, for ever
+    other, running_stream = asyncio.run(asyncio.wait_for(scenario(), 20))
+    assert other.json()["id"] == "job-42" and other.json()["choices"][0]["text"] == "aaa"
+    events, _ = sse_events(running_stream)
+    assert {event["id"] for event in events[:-1]} == {"job-42"}
+    assert "".join(event["choices"][0]["text"] for event in events[:-1]) == "a" * 400
 
 
 def test_prompts_added_before_one_the_engine_refuses_unexpectedly_are_aborted(fake_server):
