@@ -24,5 +24,6 @@ def stand_in(hf: dict):
         moe_intermediate_size=hf["moe_intermediate_size"], num_experts_per_tok=hf["num_experts_per_tok"],
         n_shared_experts=hf["num_shared_experts"], n_routed_experts=hf["num_experts"],
         routed_scaling_factor=hf["routed_scaling_factor"], n_group=hf["n_group"], topk_group=hf["topk_group"],
-        first_k_dense_replace=hf["first_k_dense_replace"], norm_topk_prob=hf["norm_topk_prob"], use_qk_norm=True,
-        attention_bias=False)
+        first_k_dense_replace=hf["first_k_dense_replace"], use_qk_norm=True, attention_bias=False,
+        # as LLaDA2's gate: the top-k weights are normalised whenever top_k > 1, whatever norm_topk_prob says
+        norm_topk_prob=hf["num_experts_per_tok"] > 1)

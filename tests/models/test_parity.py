@@ -89,6 +89,17 @@ def test_bfloat16_logits_stay_within_twice_the_pytorch_bfloat16_error(models, ar
     assert our_error <= min(2 * torch_error + 1e-3, 5e-2), (our_error, torch_error)
 
 
+def test_llada2_routing_each_token_to_one_expert_matches_pytorch(checkpoints):
+    """top_k = 1: the weight is the expert's raw score times routed_scaling_factor (nothing to normalise), as the
+    reference gate and the stand-in give it."""
+    path = checkpoints("llada2", num_experts_per_tok=1)
+    cfg = model_config(path)
+    token_ids = np.random.default_rng(5).integers(4, 8000, 11).tolist()
+    ours = jax_logits(load_model(path, cfg, "float32"), cfg, token_ids, 8, BLOCK_SIZE, jnp.float32)
+    reference = torch_reference.logits(torch_reference.glm4moe_from_llada2(path), token_ids, BLOCK_SIZE)
+    assert relative_error(ours, reference[8:]) < 1e-4
+
+
 def test_llada2_normalises_top_k_weights_whatever_norm_topk_prob_says(checkpoints, tmp_path):
     """The reference gate (dFactory `LLaDA2MoeGate`) normalises the top-k weights whenever top_k > 1 and never
     reads norm_topk_prob: a config with false must give the same logits as one with true."""
