@@ -341,19 +341,18 @@ def _group_by_expert(expert_ids, num_experts, block_m, method="auto"):
         method = ("every_token" if num_tokens <= block_m else
                   "compare" if num_assignments <= _COMPARE_MAX_ASSIGNMENTS else "sort")
     flat_expert = expert_ids.reshape(-1).astype(jnp.int32)  # [A]
+    expert = jnp.arange(num_experts, dtype=jnp.int32)
+    group_sizes = jnp.sum(flat_expert[:, None] == expert, axis=0, dtype=jnp.int32)  # [E]
     if method == "every_token":
         if num_tokens > block_m:
             raise ValueError(f"every_token grouping needs the {num_tokens} tokens to fit one {block_m}-row tile")
-        expert = jnp.arange(num_experts, dtype=jnp.int32)
-        touched = jnp.any(flat_expert[:, None] == expert, axis=0)  # [E]
         in_tile = jnp.arange(block_m, dtype=jnp.int32)
         row_token = jnp.tile(jnp.where(in_tile < num_tokens, in_tile, 0), num_experts)
         assignment_row = expert_ids.astype(jnp.int32) * block_m + jnp.arange(num_tokens, dtype=jnp.int32)[:, None]
         # no barrier: nothing here is worth computing once for many consumers (the rows are one multiply-add)
-        return ExpertGroups(row_token, jnp.where(touched, expert, -1), assignment_row)
+        return ExpertGroups(row_token, jnp.where(group_sizes > 0, expert, -1), assignment_row)
     num_row_tiles = _num_row_tiles(num_assignments, num_experts, block_m)
     assignment = jnp.arange(num_assignments)
-    group_sizes = jnp.sum(flat_expert[:, None] == jnp.arange(num_experts), axis=0, dtype=jnp.int32)  # [E]
     padded_sizes = (group_sizes + block_m - 1) // block_m * block_m
     padded_ends = jnp.cumsum(padded_sizes)  # [E]
     padded_starts = padded_ends - padded_sizes
