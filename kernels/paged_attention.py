@@ -57,6 +57,12 @@ MASK_VALUE = -1e30
 LOG2E = 1.4426950408889634
 _TARGET_PROGRAMS = 256  # about two programs per H200 SM (132)
 _MIN_SPLIT_KEYS = 128  # two key tiles: shorter splits cost more in partial-output traffic and merging than they win
+# A grid of fewer programs than this, counted with the splits of the static key range, narrows its query tiles down
+# to _MIN_SMALL_GRID_ROWS rows. Batch 1 at page-table width 32 (the engine's bucket for 512-1024-token contexts): SDAR
+# (8 kv heads) 64 -> 128 programs of 64 rows, LLaDA2 (4 kv heads) 32 -> 128 programs of 32 rows. At a 512-token
+# context on the H200 the kernel then took 6.5 / 5.8 us where 128-row tiles took 8.3 / 8.2 (BENCHMARKS.md, run 12).
+_MIN_PROGRAMS = 128
+_MIN_SMALL_GRID_ROWS = 32
 _MAX_SCALAR_PAGES = 4  # a committed tile spanning more pages gathers its page ids as a vector
 
 
@@ -173,10 +179,14 @@ def _choose_tiling(q, page_size, page_table_width, num_kv_heads, overrides):
     rows = 128 if row_bytes <= 256 else 64
     key_tile = 64 if row_bytes <= 256 else (32 if row_bytes <= 512 else 16)
     q_tile = max(min(rows // group, _next_pow2(window)), -(-16 // group))  # dots need M >= 16
-    # enough programs to cover the SMs twice, but no split shorter than _MIN_SPLIT_KEYS of the static key range
+    # no split shorter than _MIN_SPLIT_KEYS of the static key range
+    max_splits = max(1, (page_table_width * page_size + window) // _MIN_SPLIT_KEYS)
+    while (q_tile * group > _MIN_SMALL_GRID_ROWS
+           and batch * num_kv_heads * -(-window // q_tile) * max_splits < _MIN_PROGRAMS):
+        q_tile //= 2
+    # enough programs to cover the SMs twice
     programs = batch * num_kv_heads * -(-window // q_tile)
-    max_keys = page_table_width * page_size + window
-    num_splits = max(1, min(-(-_TARGET_PROGRAMS // programs), max_keys // _MIN_SPLIT_KEYS))
+    num_splits = max(1, min(-(-_TARGET_PROGRAMS // programs), max_splits))
     # Triton's pipeliner prefetches loads behind one level of indirection (page id -> K/V rows) only
     # (num_stages - 1) // 2 tiles ahead: 5 stages keep two K/V tiles in flight, 3 or 4 stages only one. One
     # 8-warp program fills an SM's registers, so that prefetch depth is all that hides HBM latency.

@@ -236,6 +236,10 @@ def test_small_batch_short_context_is_split_across_programs():
     q = jax.ShapeDtypeStruct((1, 32, 32, 128), jnp.bfloat16)  # SDAR-8B decode: one 32-token block, 32/8 heads
     tiling = pa._choose_tiling(q, page_size=32, page_table_width=17, num_kv_heads=8, overrides=None)
     assert tiling.num_splits >= 4, tiling  # 8 kv heads x 1 query tile alone would be 8 programs
+    # and narrower query tiles at the engine's width bucket for such contexts: 8 kv heads x one 32-query tile x
+    # 8 splits would be 64 programs of 128 rows
+    tiling = pa._choose_tiling(q, page_size=32, page_table_width=32, num_kv_heads=8, overrides=None)
+    assert 8 * (32 // tiling.q_tile) * tiling.num_splits >= 128 and tiling.num_warps == 4, tiling
 
 
 def test_auto_runs_a_head_the_kernel_cannot_hold_in_xla_on_the_gpu(monkeypatch):
