@@ -198,6 +198,8 @@ class EngineConfig:
     max_steps_per_round: int | None = None  # denoising steps per device call; None: enough to finish a block
     enable_prefix_caching: bool = True
     max_waiting_requests: int = 1024
+    # seconds a request may wait to be scheduled (from add_request); later it finishes "queue_timeout". None: no limit
+    max_queue_time: float | None = None
     compilation_cache_dir: str | None = None
     mask_token_id: int | None = None  # override the checkpoint's mask id
     seed: int = 0  # draws seeds for requests that bring none
@@ -212,5 +214,7 @@ class EngineConfig:
             value = getattr(self, knob)
             if value is not None and value < 1:
                 raise ConfigError(f"{knob} must be >= 1, got {value}")
+        if self.max_queue_time is not None and not self.max_queue_time > 0:
+            raise ConfigError(f"max_queue_time must be > 0 seconds, got {self.max_queue_time}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization}")

@@ -48,6 +48,7 @@ ENGINE_FLAGS = [
     ("--num-pages", int, "KV pool size in pages (default: sized from --gpu-memory-utilization)"),
     ("--gpu-memory-utilization", float, "fraction of device memory for weights and KV pages"),
     ("--max-waiting-requests", int, "queued requests at most; more get 429"),
+    ("--max-queue-time", float, "seconds a request may wait to be scheduled; later it gets 408 (default: no limit)"),
     ("--max-steps-per-round", int, "denoising steps per device call (default: enough to finish a block); lower "
                                    "lets arriving requests start sooner at some throughput"),
     ("--compilation-cache-dir", str, "persistent XLA compilation cache, so a restart compiles nothing"),

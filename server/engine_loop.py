@@ -3,7 +3,8 @@
 Only this thread calls engine.step(). Handlers on the event loop submit requests (engine.add_request is thread-safe)
 and read their outputs from an asyncio queue that this thread feeds with loop.call_soon_threadsafe, so no handler
 ever polls. Closing a submission that has not finished aborts its engine requests, which frees their pages at the
-next step.
+next step. A request that waits longer than the engine's max_queue_time to be scheduled fails with 408
+`scheduler_queue_timeout` (an error event on a stream that has started).
 
 Metrics are best-effort: an error while recording them is logged, and the outputs still reach their requests. An
 engine that fails to start, or whose step raises, is broken: the handlers waiting on it get `engine_failed` and the
@@ -51,6 +52,8 @@ class Submission:
         for output in pending:
             if isinstance(output, APIError):  # the engine failed
                 raise output
+            if output.finish_reason == "queue_timeout":  # the whole request fails; closing it aborts its other choices
+                raise queue_timeout_error()
             choice = self._choice_of[output.request_id]
             if choice in updates:
                 earlier = updates[choice]
@@ -177,6 +180,11 @@ class EngineLoop:
         for request_id in submission.request_ids:
             if self._routes.pop(request_id, None) is not None and request_id in submission.unfinished:
                 self.engine.abort_request(request_id)
+
+
+def queue_timeout_error() -> APIError:
+    return APIError(408, "The request waited longer than the server's --max-queue-time to be scheduled; the server "
+                         "is overloaded, retry later.", type="timeout_error", code="scheduler_queue_timeout")
 
 
 def not_ready_error(failure: BaseException | None) -> APIError:

@@ -120,7 +120,7 @@ class ServerMetrics:
         self.requests.labels(output.finish_reason).inc()
         self.prompt_tokens.inc(len(output.prompt_token_ids))
         self.forward_passes.inc(forward_passes)
-        if output.finish_reason == "abort":
+        if output.finish_reason in ("abort", "queue_timeout"):  # no generation to time
             return
         seconds = {k: stats[k] / 1e3 for k in ("queue_time_ms", "time_to_first_block_ms", "total_time_ms")
                    if stats.get(k) is not None}

@@ -283,6 +283,12 @@ class LLMEngine:
                 outputs.append(self._output(request, [], ""))
         return outputs
 
+    def _expire_queued(self) -> list[RequestOutput]:
+        if self.config.max_queue_time is None:
+            return []
+        expired = self.scheduler.expire_waiting(time.perf_counter() - self.config.max_queue_time)
+        return [self._output(request, [], "") for request in expired]
+
     # the step
 
     def step(self) -> list[RequestOutput]:
@@ -290,7 +296,7 @@ class LLMEngine:
             return self._step()
 
     def _step(self) -> list[RequestOutput]:
-        outputs = self._drain_inbox()
+        outputs = self._drain_inbox() + self._expire_queued()
         batch = self.scheduler.schedule()
         if batch is None:
             return outputs

@@ -245,6 +245,15 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
 
+    def expire_waiting(self, arrived_before: float) -> list[Request]:
+        """Finish ("queue_timeout") the waiting requests never scheduled that arrived before this perf_counter time;
+        a preempted request has started and waits on."""
+        expired = [request for request in self.waiting
+                   if request.stats.first_scheduled_time is None and request.stats.arrival_time < arrived_before]
+        for request in expired:
+            self.finish(request, "queue_timeout")
+        return expired
+
     def preempt(self, request: Request) -> None:
         """Free the request's pages and requeue it first. Its window stays: after recomputing the committed KV
         (prefill up to the same context) it resumes mid-block, so its output is the one it would have had."""

@@ -1,7 +1,9 @@
 """The engine end to end on a tiny confident checkpoint: batching, determinism, preemption, prefix cache, aborts,
 compile-free serving after warm-up, stops and strategies."""
 
+import dataclasses
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -83,6 +85,23 @@ def test_abort_finishes_the_request_and_frees_its_pages(llm):
     outputs = engine.step()
     assert [(o.request_id, o.finish_reason) for o in outputs if o.finished] == [(request_id, "abort")]
     assert engine.kv_cache_usage == 0.0 and not engine.has_unfinished_requests()
+
+
+def test_a_request_not_scheduled_within_max_queue_time_finishes_with_queue_timeout(llm, monkeypatch):
+    engine = llm.engine
+    monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config, max_queue_time=0.5))
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    stale = engine.add_request(PROMPTS[0], params)
+    time.sleep(0.7)  # as if the engine had been busy with others all that time
+    fresh = engine.add_request(PROMPTS[1], params)
+    outputs = engine.step()
+    assert [(o.request_id, o.finish_reason, o.token_ids) for o in outputs if o.finished] == [
+        (stale, "queue_timeout", [])]
+    finished = {}
+    while engine.has_unfinished_requests():  # the fresh one was scheduled in the same step and runs to the end
+        finished |= {o.request_id: o for o in engine.step() if o.finished}
+    assert finished[fresh].finish_reason == "length" and len(finished[fresh].token_ids) == 8
+    assert engine.kv_cache_usage == 0.0
 
 
 def test_a_request_joins_a_running_batch_at_the_next_step(llm):

@@ -186,6 +186,21 @@ def test_max_num_seqs_bounds_admission():
     assert len(scheduler.running) == 2 and len(scheduler.waiting) == 1
 
 
+def test_requests_never_scheduled_expire_after_the_queue_time_and_started_ones_wait_on():
+    scheduler = make_scheduler(num_pages=4, max_num_seqs=1, max_tokens_per_step=16)
+    running, queued, late = request("running", [10, 11, 12, 13]), request("queued", [20, 21]), request("late", [30])
+    for r in (running, queued, late):
+        scheduler.add(r)
+    complete_front_block(scheduler, finish_prefill(scheduler), {"running": [5, 6, 7, 8]})
+    scheduler.preempt(running)  # started, then sent back to the queue: it waits on
+    running.stats.arrival_time = queued.stats.arrival_time = late.stats.arrival_time - 10.0
+    assert scheduler.expire_waiting(arrived_before=late.stats.arrival_time) == [queued]
+    assert queued.finish_reason == "queue_timeout" and queued not in scheduler.waiting
+    assert list(scheduler.waiting) == [running, late] and scheduler.pages.num_used_pages == 0
+    batch = finish_prefill(scheduler)  # the preempted request resumes where it stopped
+    assert batch.requests == [running] and running.output_token_ids == [5, 6, 7, 8]
+
+
 def test_a_prefill_step_always_fits_a_compiled_shape():
     scheduler = make_scheduler(max_tokens_per_step=16)
     for name, length in zip("abc", (9, 9, 30)):

@@ -2,8 +2,10 @@
 
 It starts in seconds and fails on demand, where a real engine has no known way to fail: a prompt that holds POISON
 gets outputs whose stats the server cannot read (no forward_passes, which the metrics need once it finishes), one
-that holds REFUSE is refused by add_request with an unexpected exception, and one that holds CRASH makes the
-engine's step raise. Any other request commits one token, "a", per step until max_tokens.
+that holds REFUSE is refused by add_request with an unexpected exception, one that holds CRASH makes the
+engine's step raise, and one that holds EXPIRE finishes at its first step with "queue_timeout" and no token (as
+LLMEngine's requests do when they wait past max_queue_time). Any other request commits one token, "a", per step
+until max_tokens.
 """
 
 import argparse
@@ -21,7 +23,7 @@ from jaxllm.server import cli
 from jaxllm.server.app import create_app
 
 MODEL = "fake"
-POISON, REFUSE, CRASH = "poison", "refuse", "crash"
+POISON, REFUSE, CRASH, EXPIRE = "poison", "refuse", "crash", "expire"
 STEP_S = 0.002  # a running request commits a token this often
 TOKEN = ord("a")
 
@@ -99,6 +101,10 @@ class FakeEngine:
         for request_id, request in list(self._running.items()):
             if CRASH in request.prompt:
                 raise RuntimeError("the device fell over")
+            if EXPIRE in request.prompt:
+                del self._running[request_id]
+                outputs.append(self._output(request_id, request, "queue_timeout"))
+                continue
             request.token_ids.append(TOKEN)
             finished = len(request.token_ids) == request.max_tokens
             if finished:
@@ -107,7 +113,7 @@ class FakeEngine:
         return outputs
 
     def _output(self, request_id: str, request: FakeRequest, finish_reason: str | None) -> RequestOutput:
-        new_token_ids = [] if finish_reason == "abort" else [TOKEN]
+        new_token_ids = [] if finish_reason in ("abort", "queue_timeout") else [TOKEN]
         elapsed_ms = 1e3 * (time.perf_counter() - request.arrival_time)
         stats = {"queue_time_ms": 0.0, "time_to_first_block_ms": 0.0, "total_time_ms": elapsed_ms,
                  "forward_passes": len(request.token_ids), "cached_tokens": 0, "preemptions": 0}

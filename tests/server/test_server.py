@@ -585,6 +585,18 @@ def test_prompts_added_before_one_the_engine_refuses_unexpectedly_are_aborted(fa
     assert wait_for_idle_pool(fake_server)[ABORTED] == aborted + 1
 
 
+def test_a_request_that_waits_past_the_queue_time_gets_408_and_its_other_prompts_are_aborted(fake_server):
+    aborted = scrape(fake_server)[ABORTED]
+    body = {"model": FAKE_MODEL, "prompt": ["fine", fake_engine_server.EXPIRE], "max_tokens": 10**6}
+    response = httpx.post(f"{fake_server}/v1/completions", json=body, timeout=30)
+    assert response.status_code == 408 and response.json()["error"]["code"] == "scheduler_queue_timeout"
+    assert wait_for_idle_pool(fake_server)[ABORTED] == aborted + 1
+    with httpx.stream("POST", f"{fake_server}/v1/completions", json={**body, "stream": True}, timeout=30) as stream:
+        events, _ = sse_events(list(stream.iter_lines()))
+    assert stream.status_code == 200  # a stream has started before the request expires: the error is an event
+    assert events[-2]["error"]["code"] == "scheduler_queue_timeout" and events[-1] == "[DONE]"
+
+
 def test_an_engine_failure_fails_the_requests_in_flight_and_stops_the_server(tmp_path_factory):
     """When the engine's step raises, every request in flight gets engine_failed (a stream as an error event before
     [DONE]) and the server exits with status 1 for a supervisor to restart it, instead of answering 503 for ever."""
