@@ -1,7 +1,8 @@
 """The thresholds of the top-k and top-p filters: per row of logits, the smallest logit each filter keeps.
 
-Top-k keeps the logits >= the k-th largest (ties included); top-p keeps the smallest set of largest logits whose
-probability reaches top_p (ties at its edge included). A threshold is returned as an order key (`order_keys`), so
+Top-k keeps the logits >= the k-th largest (ties included); top-p then keeps the smallest set of the largest of
+those whose probability, renormalised over what top-k kept, reaches top_p (ties at its edge included): the order of
+Hugging Face's TopK and TopP logits warpers and of vLLM. A threshold is returned as an order key (`order_keys`), so
 a row keeps exactly the logits whose key is >= it, and 0 keeps everything.
 
 reference  sort each row (XLA). On the GPU a sort is a library call, which cannot join the CUDA graph of the
@@ -40,7 +41,7 @@ def filter_threshold_reference(logits, top_k, top_p):
     sorted_desc = -jnp.sort(-logits, axis=-1)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
     kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)[:, 0]
-    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    probs = jax.nn.softmax(jnp.where(sorted_desc >= kth[:, None], sorted_desc, -jnp.inf), axis=-1)  # top-k's
     mass_before = jnp.cumsum(probs, axis=-1) - probs  # probability above each sorted entry
     # the smallest prefix whose mass reaches top_p; at least the top logit (a row holding +inf has NaN masses, and
     # keeps its +inf logits, as the kernel does)
@@ -131,18 +132,21 @@ def _filter_threshold_pallas(logits, top_k, top_p, *, chunk, segment, bits, inte
                         weighted=weighted)
         return in_order_sum(partials.reshape(num_rows, num_segments, candidates.shape[1]))
 
-    def largest_key(active, shift, weighted, enough, with_all=False):
+    def largest_key(active, shift, weighted, enough, floor=None):
         """Per row, the largest key t with enough(sum at or above t), decided `bits` at a time from the top bit:
         one pass over the row per step, against the 2^bits - 1 candidates that extend the answer so far. enough
-        holds for the candidates up to the answer's own digit, so their count is that digit. with_all adds key 0
-        (everything) to the first pass and hands its sum to enough."""
+        holds for the candidates up to the answer's own digit, so their count is that digit. With a floor (u32[N]
+        keys), only logits at or above it are summed, and the first pass also sums everything at or above it,
+        which it hands to enough."""
         answer = jnp.zeros((num_rows,), jnp.uint32)
         digits = jnp.arange(1, 1 << bits, dtype=jnp.uint32)
         everything = None
         for shift_bits in range(32 - bits, -1, -bits):
             candidates = answer[:, None] | (digits << shift_bits)[None, :]
-            if with_all and everything is None:
-                sums = segment_sums(active, shift, jnp.pad(candidates, ((0, 0), (1, 0))), weighted)
+            if floor is not None:  # a candidate below the floor sums what the floor keeps
+                candidates = jnp.maximum(candidates, floor[:, None])
+            if floor is not None and everything is None:
+                sums = segment_sums(active, shift, jnp.concatenate([floor[:, None], candidates], axis=1), weighted)
                 everything, sums = sums[:, 0], sums[:, 1:]
             else:
                 sums = segment_sums(active, shift, candidates, weighted)
@@ -155,9 +159,9 @@ def _filter_threshold_pallas(logits, top_k, top_p, *, chunk, segment, bits, inte
     # counts of up to 2^24 are exact in float32
     kth = largest_key((top_k > 0) & (top_k < vocab), maximum, False,
                       lambda count, _: count >= top_k.astype(jnp.float32)[:, None])
-    # top_p = 1 is off: float32's cumulative mass reaches 1 before the tail ends and would cut it
-    pth = largest_key(top_p < 1.0, maximum, True, lambda mass, total: mass >= (top_p * total)[:, None],
-                      with_all=True)
+    # top_p = 1 is off: float32's cumulative mass reaches 1 before the tail ends and would cut it. Its mass is
+    # counted over what top-k keeps (kth = 0 where top-k is off: everything)
+    pth = largest_key(top_p < 1.0, maximum, True, lambda mass, total: mass >= (top_p * total)[:, None], floor=kth)
     return jnp.maximum(kth, pth)
 
 

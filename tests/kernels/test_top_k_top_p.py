@@ -20,10 +20,11 @@ def _kept(thresholds, logits, top_k, top_p):
 
 
 def _kept_by_sorting(row, top_k, top_p):
-    """The filters' definition, by sorting in float64."""
+    """The filters' definition, by sorting in float64: top-p over what top-k keeps."""
     order = np.sort(row)[::-1]
     kth = order[min(top_k, len(row)) - 1] if top_k > 0 else -np.inf
-    probs = np.exp(order - order.max()) / np.exp(order - order.max()).sum()
+    weights = np.where(order >= kth, np.exp(order - order.max()), 0.0)
+    probs = weights / weights.sum()
     mass_before = np.cumsum(probs) - probs
     pth = order[np.sum(mass_before < top_p) - 1] if top_p < 1.0 else -np.inf
     return row >= max(kth, pth)
@@ -54,6 +55,30 @@ def test_filters_keep_what_sorting_keeps(kwargs):
         kept = _kept(thresholds, rows, top_k, top_p)
         for row, row_kept, k, p in zip(rows, kept, top_k, top_p):
             np.testing.assert_array_equal(row_kept, _kept_by_sorting(row, k, p), err_msg=f"top_k={k} top_p={p}")
+
+
+@pytest.mark.parametrize("kwargs", [IMPLS[0], IMPLS[-1]], ids=["reference", "pallas"])
+def test_top_p_counts_its_mass_over_what_top_k_keeps_as_hugging_face_does(kwargs):
+    """Top-k, then top-p over the renormalised survivors, as Hugging Face's TopK and TopP logits warpers apply them
+    (and vLLM): [0.4, 0.35, 0.25] under top_k 2 and top_p 0.5 keeps one token, where top-p over the whole
+    distribution would keep two."""
+    torch = pytest.importorskip("torch")
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    rng = np.random.default_rng(9)
+    rows = (rng.normal(size=(8, 300)) * 2).astype(np.float32)
+    rows[0, :3], rows[0, 3:] = np.log([0.4, 0.35, 0.25]), -np.inf
+    top_k, top_p = [2, 2, 5, 20, 50, 300, -1, 10], [0.5, 0.7, 0.9, 0.3, 0.8, 0.6, 0.95, 1.0]
+    kept = _kept(jax.jit(functools.partial(filter_threshold, **kwargs)), rows, top_k, top_p)
+    assert kept[0].sum() == 1
+    for row, row_kept, k, p in zip(rows, kept, top_k, top_p):
+        scores = torch.from_numpy(row)[None]
+        if k > 0:
+            scores = TopKLogitsWarper(k)(None, scores)
+        if p < 1.0:
+            scores = TopPLogitsWarper(p)(None, scores)
+        expected = np.isfinite(scores[0].numpy()) & np.isfinite(row)
+        np.testing.assert_array_equal(row_kept & np.isfinite(row), expected, err_msg=f"top_k={k} top_p={p}")
 
 
 @pytest.mark.parametrize("kwargs", IMPLS[:1] + [dict(impl="pallas", interpret=True)], ids=["reference", "pallas"])
