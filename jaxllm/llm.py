@@ -60,6 +60,8 @@ class LLM:
     def __init__(self, model: str | pathlib.Path | None = None, *, random_weights: bool = False, warmup: bool = False,
                  **options):
         engine_config, decoding_config = split_options(options)
+        if engine_config.max_queue_time is not None:
+            raise ConfigError("max_queue_time is a serving limit; LLM.generate queues all its prompts at once")
         self.engine = LLMEngine(model or DEFAULT_MODEL_DIR, engine_config, decoding_config,
                                 random_weights=random_weights)
         if warmup:

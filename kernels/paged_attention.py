@@ -181,7 +181,7 @@ def _choose_tiling(q, page_size, page_table_width, num_kv_heads, overrides):
     q_tile = max(min(rows // group, _next_pow2(window)), -(-16 // group))  # dots need M >= 16
     # no split shorter than _MIN_SPLIT_KEYS of the static key range
     max_splits = max(1, (page_table_width * page_size + window) // _MIN_SPLIT_KEYS)
-    while (q_tile * group > _MIN_SMALL_GRID_ROWS
+    while (q_tile > 1 and q_tile * group > _MIN_SMALL_GRID_ROWS
            and batch * num_kv_heads * -(-window // q_tile) * max_splits < _MIN_PROGRAMS):
         q_tile //= 2
     # enough programs to cover the SMs twice

@@ -23,7 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from jaxllm.engine.request import RequestOutput
 
 PREFIX = "jaxllm:"
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "queue_timeout")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                    40.0, 80.0, 160.0, 640.0, 2560.0)
 PER_TOKEN_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0,
@@ -120,6 +120,8 @@ class ServerMetrics:
         self.requests.labels(output.finish_reason).inc()
         self.prompt_tokens.inc(len(output.prompt_token_ids))
         self.forward_passes.inc(forward_passes)
+        if output.finish_reason == "queue_timeout" and stats.get("total_time_ms") is not None:
+            self.queue_time.observe(stats["total_time_ms"] / 1e3)  # it waited all its life: the worst waits count
         if output.finish_reason in ("abort", "queue_timeout"):  # no generation to time
             return
         seconds = {k: stats[k] / 1e3 for k in ("queue_time_ms", "time_to_first_block_ms", "total_time_ms")

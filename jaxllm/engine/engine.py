@@ -296,8 +296,9 @@ class LLMEngine:
             return self._step()
 
     def _step(self) -> list[RequestOutput]:
-        outputs = self._drain_inbox() + self._expire_queued()
+        outputs = self._drain_inbox()
         batch = self.scheduler.schedule()
+        outputs += self._expire_queued()  # after admission: a request admitted now has not waited too long
         if batch is None:
             return outputs
         self.num_steps += 1

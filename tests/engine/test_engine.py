@@ -3,12 +3,12 @@ compile-free serving after warm-up, stops and strategies."""
 
 import dataclasses
 import threading
-import time
 
 import numpy as np
 import pytest
 
 from jaxllm import LLM, SamplingParams
+from jaxllm.config import ConfigError
 from jaxllm.engine.engine import CompilationAfterWarmup
 
 # 16 pages of 4 tokens: one request at a time always fits, four long ones at once do not (preemption)
@@ -88,20 +88,34 @@ def test_abort_finishes_the_request_and_frees_its_pages(llm):
 
 
 def test_a_request_not_scheduled_within_max_queue_time_finishes_with_queue_timeout(llm, monkeypatch):
+    """Expiry comes after admission: a request that waited long but fits now runs; one still queued expires."""
     engine = llm.engine
-    monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config, max_queue_time=0.5))
+    monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config, max_queue_time=60.0))
+    monkeypatch.setattr(engine.scheduler, "cfg", dataclasses.replace(engine.scheduler.cfg, max_num_seqs=1))
+
+    def arrived_long_ago(request_id):  # as if it had waited behind others for two minutes
+        queued = [item for kind, item in engine._inbox if kind == "add"] + list(engine.scheduler.waiting)
+        next(r for r in queued if r.request_id == request_id).stats.arrival_time -= 120.0
+
     params = SamplingParams(max_tokens=8, ignore_eos=True)
-    stale = engine.add_request(PROMPTS[0], params)
-    time.sleep(0.7)  # as if the engine had been busy with others all that time
-    fresh = engine.add_request(PROMPTS[1], params)
-    outputs = engine.step()
-    assert [(o.request_id, o.finish_reason, o.token_ids) for o in outputs if o.finished] == [
-        (stale, "queue_timeout", [])]
-    finished = {}
-    while engine.has_unfinished_requests():  # the fresh one was scheduled in the same step and runs to the end
+    first = engine.add_request(PROMPTS[0], params)
+    arrived_long_ago(first)
+    assert not [o for o in engine.step() if o.finished]  # admitted in this step: it runs
+    second = engine.add_request(PROMPTS[1], params)
+    engine.step()  # waits behind the first (one sequence at a time)
+    arrived_long_ago(second)
+    finished = {o.request_id: o for o in engine.step() if o.finished}
+    assert (finished[second].finish_reason, finished[second].token_ids) == ("queue_timeout", [])
+    while engine.has_unfinished_requests():
         finished |= {o.request_id: o for o in engine.step() if o.finished}
-    assert finished[fresh].finish_reason == "length" and len(finished[fresh].token_ids) == 8
+    assert finished[first].finish_reason == "length" and len(finished[first].token_ids) == 8
     assert engine.kv_cache_usage == 0.0
+
+
+def test_offline_generation_refuses_a_queue_time_limit(checkpoint):
+    """LLM.generate queues all its prompts at once: a queue time limit would end some with no output."""
+    with pytest.raises(ConfigError, match="max_queue_time"):
+        LLM(checkpoint, max_queue_time=1.0, **OPTIONS)
 
 
 def test_a_request_joins_a_running_batch_at_the_next_step(llm):

@@ -122,6 +122,8 @@ SWEEP = {
     "page_larger_than_block": Case(context_lens=(8, 40, 72), page_size=32, num_blocks=2),
     "gqa7_padded_group": Case(context_lens=(24, 8), num_heads=14, num_kv_heads=2),
     "gqa8_one_kv_head": Case(context_lens=(40,), num_heads=8, num_kv_heads=1),
+    # 64 query heads on one kv head at batch 1: the small-grid narrowing stops at one query per tile
+    "gqa64_small_grid": Case(context_lens=(40,), num_heads=64, num_kv_heads=1, head_dim=32),
     "head_dim_256": Case(context_lens=(32, 8), head_dim=256),
     "head_dim_256_bf16": Case(context_lens=(32, 8), head_dim=256, dtype="bfloat16"),
     "head_dim_128_bf16_gqa4": Case(context_lens=(24, 64), num_heads=8, head_dim=128, dtype="bfloat16"),
