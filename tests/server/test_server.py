@@ -576,22 +576,21 @@ def test_requests_sharing_a_rid_are_served_apart(fake_server):
     assert "".join(event["choices"][0]["text"] for event in events[:-1]) == "a" * 400
 
 
-def test_prompts_added_before_one_the_engine_refuses_unexpectedly_are_aborted(fake_server):
-    """A request's prompts are added all or none: the 500 leaves nothing running."""
+@pytest.mark.parametrize("failing, status, code", [(fake_engine_server.REFUSE, 500, "internal_error"),
+                                                    (fake_engine_server.EXPIRE, 408, "scheduler_queue_timeout")])
+def test_a_request_whose_prompt_fails_leaves_none_of_its_prompts_running(fake_server, failing, status, code):
+    """A prompt the engine refuses unexpectedly (prompts are added all or none), or one that waits past the queue
+    time: the error comes back and the request's other prompt is aborted."""
     aborted = scrape(fake_server)[ABORTED]
-    body = {"model": FAKE_MODEL, "prompt": ["fine", fake_engine_server.REFUSE], "max_tokens": 10**6}
+    body = {"model": FAKE_MODEL, "prompt": ["fine", failing], "max_tokens": 10**6}
     response = httpx.post(f"{fake_server}/v1/completions", json=body, timeout=30)
-    assert response.status_code == 500 and response.json()["error"]["code"] == "internal_error"
+    assert response.status_code == status and response.json()["error"]["code"] == code
     assert wait_for_idle_pool(fake_server)[ABORTED] == aborted + 1
 
 
-def test_a_request_that_waits_past_the_queue_time_gets_408_and_its_other_prompts_are_aborted(fake_server):
-    aborted = scrape(fake_server)[ABORTED]
-    body = {"model": FAKE_MODEL, "prompt": ["fine", fake_engine_server.EXPIRE], "max_tokens": 10**6}
-    response = httpx.post(f"{fake_server}/v1/completions", json=body, timeout=30)
-    assert response.status_code == 408 and response.json()["error"]["code"] == "scheduler_queue_timeout"
-    assert wait_for_idle_pool(fake_server)[ABORTED] == aborted + 1
-    with httpx.stream("POST", f"{fake_server}/v1/completions", json={**body, "stream": True}, timeout=30) as stream:
+def test_a_stream_that_waits_past_the_queue_time_ends_with_an_error_event(fake_server):
+    body = {"model": FAKE_MODEL, "prompt": fake_engine_server.EXPIRE, "max_tokens": 10, "stream": True}
+    with httpx.stream("POST", f"{fake_server}/v1/completions", json=body, timeout=30) as stream:
         events, _ = sse_events(list(stream.iter_lines()))
     assert stream.status_code == 200  # a stream has started before the request expires: the error is an event
     assert events[-2]["error"]["code"] == "scheduler_queue_timeout" and events[-1] == "[DONE]"
