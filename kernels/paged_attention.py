@@ -351,10 +351,17 @@ def _paged_attention_kernel(layer_ref, page_table_ref, context_lens_ref, window_
 
 
 def _combine_splits(partial_out, partial_lse):
-    """[N, B, Q, K, G, D] normalised partials + [N, B, Q, K, G] log2-sum-exp2s -> [B, Q, K, G, D] float32."""
-    weights = jnp.exp2(partial_lse - partial_lse.max(axis=0))  # empty splits carry MASK_VALUE -> weight 0 (or all 1)
-    # an elementwise sum, not an einsum: XLA would lower a contraction over N to a batched GEMM
-    return (weights[..., None] * partial_out).sum(axis=0) / weights.sum(axis=0)[..., None]
+    """[N, B, Q, K, G, D] normalised partials + [N, B, Q, K, G] log2-sum-exp2s -> [B, Q, K, G, D] float32.
+
+    Written over the N splits one by one, all elementwise, so that XLA fuses the merge into one kernel; reductions
+    over the split axis became two (the weights' maximum, then the weighted sum), ~3 us per layer at batch 1.
+    """
+    splits = range(partial_out.shape[0])
+    top = functools.reduce(jnp.maximum, [partial_lse[n] for n in splits])
+    # empty splits carry MASK_VALUE -> weight 0 (or all 1 for a row no split saw: its partials are 0)
+    weights = [jnp.exp2(partial_lse[n] - top)[..., None] for n in splits]
+    return functools.reduce(jnp.add, [w * partial_out[n] for n, w in zip(splits, weights)]) / functools.reduce(
+        jnp.add, weights)
 
 
 def _paged_attention_pallas(q, k, v, k_pages, v_pages, layer, page_table, context_lens, window_lens, *,
