@@ -86,8 +86,9 @@ def _sampled_proposals(logits, seeds, positions, steps, temperature, top_k, top_
 def propose(logits, seeds, positions, steps, temperature, top_k, top_p, allowed=None):
     """A candidate token and its confidence for every position.
 
-    logits f32[B, Q, V]; seeds u32[B]; positions, steps i32[B, Q]; temperature, top_p f32[B]; top_k i32[B];
-    allowed bool[V] (None: all) the token ids that may be proposed.
+    logits [B, Q, V], bfloat16 or float32 (each branch converts them to float32 itself: the greedy branch's passes
+    read bf16 logits directly, no float32 copy written); seeds u32[B]; positions, steps i32[B, Q]; temperature,
+    top_p f32[B]; top_k i32[B]; allowed bool[V] (None: all) the token ids that may be proposed.
     Returns (candidates i32[B, Q], confidence f32[B, Q]): confidence is the candidate's probability under the
     distribution it was drawn from (temperature, top-k and top-p applied; plain softmax when greedy).
 
@@ -97,6 +98,7 @@ def propose(logits, seeds, positions, steps, temperature, top_k, top_p, allowed=
     masked copy as the branches' operand would be one more full write and read of the logits.
     """
     def masked(raw):
+        raw = raw.astype(jnp.float32)
         return raw if allowed is None else jnp.where(allowed, raw, -jnp.inf)
 
     plain_greedy = jnp.all((temperature <= 0.0) & (top_k <= 0) & (top_p >= 1.0))

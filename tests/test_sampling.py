@@ -13,9 +13,9 @@ from jaxllm.kernels.top_k_top_p import filter_threshold
 from jaxllm.sampling import SamplingParams, propose
 
 
-def run(logits, seeds, temperature, top_k=-1, top_p=1.0, positions=None, allowed=None):
+def run(logits, seeds, temperature, top_k=-1, top_p=1.0, positions=None, allowed=None, dtype=jnp.float32):
     """temperature: one value for every row or one per row."""
-    logits = jnp.asarray(logits, jnp.float32)
+    logits = jnp.asarray(logits, dtype)
     batch, window, _ = logits.shape
     positions = jnp.zeros((batch, window), jnp.int32) if positions is None else jnp.asarray(positions, jnp.int32)
     return propose(logits, jnp.asarray(seeds, jnp.uint32), positions, jnp.zeros((batch, window), jnp.int32),
@@ -28,6 +28,21 @@ def test_greedy_picks_the_lowest_id_on_ties_and_reports_softmax_confidence():
     assert int(candidates[0, 0]) == 1
     expected = np.exp(3.0) / np.exp([1.0, 3.0, 3.0, 0.0]).sum()
     assert float(confidence[0, 0]) == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize("settings", [dict(temperature=0.0), dict(temperature=1.0, top_p=0.8),
+                                      dict(temperature=0.7, top_k=5)], ids=["greedy", "top_p", "top_k"])
+def test_bf16_logits_propose_as_their_float32_copy(settings):
+    """The engine hands propose the LM head's bf16 output: each branch reads it as float32, exactly."""
+    logits = np.array(jnp.asarray(np.random.default_rng(2).normal(size=(2, 16, 300)) * 3, jnp.bfloat16))
+    logits[0, 3, :5] = logits[0, 3].max()  # ties
+    allowed = np.arange(300) % 7 != 0
+    from_bf16 = run(logits, [5, 6], positions=np.arange(16)[None].repeat(2, 0), allowed=allowed, dtype=jnp.bfloat16,
+                    **settings)
+    from_f32 = run(logits.astype(np.float32), [5, 6], positions=np.arange(16)[None].repeat(2, 0), allowed=allowed,
+                   **settings)
+    for a, b in zip(from_bf16, from_f32):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_top_k_one_always_draws_the_argmax():

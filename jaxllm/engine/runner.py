@@ -92,7 +92,7 @@ def denoise_round(graphdef, params, kv: KVCache, inputs: RoundInputs, *, spec: S
                                spec.block_size, spec.attention_impl)
         hidden, kv = model(state.tokens, kv, md)
         with jax.named_scope("lm_head"):  # scopes name the parts in device profiles (tools/device_profile.py)
-            logits = model.logits(hidden)
+            logits = model.head(hidden)  # the model's dtype: the sampler's passes read them as float32
         with jax.named_scope("sampler"):
             steps = jnp.repeat(state.block_steps, spec.block_size, axis=1)
             candidates, confidence = propose(logits, inputs.seeds, positions, steps, inputs.temperature,

@@ -196,6 +196,8 @@ class DecoderLM(nnx.Module):
         x, kv = run_layers(self.layers, self.embed(tokens), kv, md)
         return self.norm(x), kv
 
+    def head(self, hidden):  # [..., V] in the model's dtype, as the reference's LM head returns them
+        return self.embed.attend(hidden) if self.cfg.tie_word_embeddings else self.lm_head(hidden)
+
     def logits(self, hidden):  # f32[..., V]
-        head = self.embed.attend(hidden) if self.cfg.tie_word_embeddings else self.lm_head(hidden)
-        return head.astype(jnp.float32)
+        return self.head(hidden).astype(jnp.float32)
