@@ -475,17 +475,24 @@ def _split_scale_refs(refs, has_row_scale, has_col_scale):
     return row_scale_ref, w_ref, col_scale_ref, out_ref
 
 
+def _routed_expert(tile_expert_ref, row_tile, has_shared):
+    """The routed expert of this program's row tile, -1 for none: tiles past the last group hold no rows, and a
+    shared expert's tile comes first, so that its programs start in the first wave instead of trailing the grid."""
+    if not has_shared:
+        return tile_expert_ref[row_tile]
+    return jnp.where(row_tile == 0, -1, tile_expert_ref[jnp.maximum(row_tile - 1, 0)])
+
+
 def _gate_up_kernel(tile_expert_ref, row_token_ref, x_ref, *refs, block_m, tiles, inter, has_x_scale, has_w_scale,
                     has_shared, channel_major, interpret):
-    # tile_expert i32[R], row_token i32[(R+S)*bm], x [T, H], (x_scale f32[T]), w [E, H, 2I] or channel-major
-    # [E, 2I, H], (w_scale f32[E, 2I]), (shared [1, H, 2I]: S = 1 row tile past the routed ones, every token)
-    # -> act [(R+S)*bm, I]; this program: rows [r*bm, (r+1)*bm) x act columns [j*bn, (j+1)*bn)
+    # tile_expert i32[R], row_token i32[(S+R)*bm], x [T, H], (x_scale f32[T]), w [E, H, 2I] or channel-major
+    # [E, 2I, H], (w_scale f32[E, 2I]), (shared [1, H, 2I]: S = 1 row tile of every token before the routed ones)
+    # -> act [(S+R)*bm, I]; this program: rows [r*bm, (r+1)*bm) x act columns [j*bn, (j+1)*bn)
     refs = list(refs)
     shared_ref = refs.pop(-2) if has_shared else None
     x_scale_ref, w_ref, w_scale_ref, act_ref = _split_scale_refs(refs, has_x_scale, has_w_scale)
     row_tile, col_tile = pl.program_id(0), pl.program_id(1)
-    num_routed = tile_expert_ref.shape[0]
-    expert = tile_expert_ref[jnp.minimum(row_tile, num_routed - 1)]
+    expert = _routed_expert(tile_expert_ref, row_tile, has_shared)
 
     def tile(w_ref, expert, w_scale_ref, channel_major):
         rows = pl.ds(row_tile * block_m, block_m)
@@ -514,22 +521,20 @@ def _gate_up_kernel(tile_expert_ref, row_token_ref, x_ref, *refs, block_m, tiles
             up = up * w_scale_ref[expert, up_cols][None, :]
         act_ref[rows, gate_cols] = (gate / (1.0 + jnp.exp(-gate)) * up).astype(act_ref.dtype)
 
-    # routed tiles past the last group hold no rows
-    pl.when((expert >= 0) & (row_tile < num_routed))(lambda: tile(w_ref, expert, w_scale_ref, channel_major))
+    pl.when(expert >= 0)(lambda: tile(w_ref, expert, w_scale_ref, channel_major))
     if shared_ref is not None:
-        pl.when(row_tile == num_routed)(lambda: tile(shared_ref, 0, None, False))
+        pl.when(row_tile == 0)(lambda: tile(shared_ref, 0, None, False))
 
 
 def _down_kernel(tile_expert_ref, act_ref, *refs, block_m, tiles, has_act_scale, has_w_scale, has_shared,
                  channel_major, interpret):
-    # tile_expert i32[R], act [(R+S)*bm, I], (act_scale f32[R*bm]), w [E, I, H] or channel-major [E, H, I],
-    # (w_scale f32[E, H]), (shared [1, I, H]) -> out [(R+S)*bm, H]
+    # tile_expert i32[R], act [(S+R)*bm, I], (act_scale f32[R*bm]), w [E, I, H] or channel-major [E, H, I],
+    # (w_scale f32[E, H]), (shared [1, I, H]) -> out [(S+R)*bm, H]
     refs = list(refs)
     shared_ref = refs.pop(-2) if has_shared else None
     act_scale_ref, w_ref, w_scale_ref, out_ref = _split_scale_refs(refs, has_act_scale, has_w_scale)
     row_tile, col_tile = pl.program_id(0), pl.program_id(1)
-    num_routed = tile_expert_ref.shape[0]
-    expert = tile_expert_ref[jnp.minimum(row_tile, num_routed - 1)]
+    expert = _routed_expert(tile_expert_ref, row_tile, has_shared)
 
     def tile(w_ref, expert, w_scale_ref, channel_major):
         rows = pl.ds(row_tile * block_m, block_m)
@@ -550,9 +555,9 @@ def _down_kernel(tile_expert_ref, act_ref, *refs, block_m, tiles, has_act_scale,
             acc = acc * w_scale_ref[expert, cols][None, :]
         out_ref[rows, cols] = acc.astype(out_ref.dtype)
 
-    pl.when((expert >= 0) & (row_tile < num_routed))(lambda: tile(w_ref, expert, w_scale_ref, channel_major))
+    pl.when(expert >= 0)(lambda: tile(w_ref, expert, w_scale_ref, channel_major))
     if shared_ref is not None:
-        pl.when(row_tile == num_routed)(lambda: tile(shared_ref, 0, None, False))
+        pl.when(row_tile == 0)(lambda: tile(shared_ref, 0, None, False))
 
 
 def _compiler_params(gemm):
@@ -566,10 +571,10 @@ def _scaled_operands(row_scale, w_values, w_scales) -> list:
 
 def _gate_up(groups, x, x_scale, w_values, w_scales, channel_major, *, act_dtype, tiles, interpret, shared=None):
     """[R*bm, I] = silu(x[rows] @ Wg[e]) * (x[rows] @ Wu[e]) per row tile; a None scale is 1. A shared expert's
-    weights [H, 2I] add one row tile of every token (every-token groups only: their first tile's rows)."""
+    weights [H, 2I] add one row tile of every token first (every-token groups only: their first tile's rows)."""
     row_token = groups.row_token
     if shared is not None:
-        row_token = jnp.concatenate([row_token, row_token[:tiles.block_m]])  # constants: folded when compiling
+        row_token = jnp.concatenate([row_token[:tiles.block_m], row_token])  # constants: folded when compiling
     inter = w_values.shape[1 if channel_major else 2] // 2
     kernel = functools.partial(_gate_up_kernel, block_m=tiles.block_m, tiles=tiles.gate_up, inter=inter,
                                has_x_scale=x_scale is not None, has_w_scale=w_scales is not None,
@@ -586,8 +591,8 @@ def _gate_up(groups, x, x_scale, w_values, w_scales, channel_major, *, act_dtype
 
 
 def _down(groups, act, act_scale, w_values, w_scales, channel_major, *, out_dtype, tiles, interpret, shared=None):
-    """[R*bm, H] = act[rows] @ Wd[e] per row tile; a None scale is 1. A shared expert's weights [I, H] take the row
-    tile past the routed ones (see _gate_up)."""
+    """[R*bm, H] = act[rows] @ Wd[e] per row tile; a None scale is 1. A shared expert's weights [I, H] take the first
+    row tile (see _gate_up)."""
     num_rows, hidden = act.shape[0], w_values.shape[1 if channel_major else 2]
     kernel = functools.partial(_down_kernel, block_m=tiles.block_m, tiles=tiles.down,
                                has_act_scale=act_scale is not None, has_w_scale=w_scales is not None,
@@ -632,19 +637,19 @@ def _moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, *, fp8
     else:
         x_in, x_scale = x, None
     act = _gate_up(groups, x_in, x_scale, *_values_and_scales(w_gate_up), act_dtype=x.dtype, tiles=tiles,
-                   interpret=interpret, shared=shared_gate_up)  # [(R+S)*bm, I]
+                   interpret=interpret, shared=shared_gate_up)  # [(S+R)*bm, I]
     if fp8_activations:
         act, act_scale = quantize_rows(act)
     else:
         act_scale = None
     out_rows = _down(groups, act, act_scale, *_values_and_scales(w_down), out_dtype=x.dtype, tiles=tiles,
-                     interpret=interpret, shared=shared_down)  # [(R+S)*bm, H]
+                     interpret=interpret, shared=shared_down)  # [(S+R)*bm, H]
 
-    routed = out_rows[groups.assignment_row].astype(jnp.float32)  # [T, C, H]
+    first_routed_row = tiles.block_m if in_kernels else 0
+    routed = out_rows[first_routed_row + groups.assignment_row].astype(jnp.float32)  # [T, C, H]
     out = jnp.sum(routed * expert_weights.astype(jnp.float32)[..., None], axis=1)
     if in_kernels:
-        first_shared_row = groups.tile_expert.shape[0] * tiles.block_m
-        return (out + out_rows[first_shared_row:first_shared_row + num_tokens].astype(jnp.float32)).astype(x.dtype)
+        return (out + out_rows[:num_tokens].astype(jnp.float32)).astype(x.dtype)
     return _plus_shared(out.astype(x.dtype), x, shared)
 
 
