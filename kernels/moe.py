@@ -29,6 +29,8 @@ Pallas path, all on device with static shapes:
      tile_expert[r]'s gate and up columns -> act[R*bm, I] = silu(gate) * up;
   3. down kernel, grid (R, H/bn): act rows @ that expert's w_down -> out_rows[R*bm, H];
   4. out[t] = sum_c w[t,c] * out_rows[row of (t, c)] (a gather and a sum over C).
+A shared expert (`shared=`, every token at weight 1) of the experts' width rides along as one more row tile of
+every token when the groups are every-token and the weights plain; elsewhere XLA computes it and adds it.
 Row tiles that hold no rows (past the last group; an untouched expert's, every-token) have tile_expert = -1 and
 return at once, so empty experts and unused padding cost no weight reads: a batch touches only its experts'
 weights, once per row tile.
@@ -171,7 +173,7 @@ def route_softmax_topk(router_logits, *, top_k, norm_topk_prob):
     return weights, expert_ids.astype(jnp.int32)
 
 
-def _check_inputs(x, expert_ids, expert_weights, w_gate_up, w_down, fp8_activations):
+def _check_inputs(x, expert_ids, expert_weights, w_gate_up, w_down, fp8_activations, shared=None):
     if x.ndim != 2:
         raise ValueError(f"x must be [T, H], got shape {x.shape}")
     num_tokens, hidden = x.shape
@@ -191,6 +193,12 @@ def _check_inputs(x, expert_ids, expert_weights, w_gate_up, w_down, fp8_activati
     is_fp8 = [isinstance(w, QuantizedWeight) and w.values.dtype == jnp.float8_e4m3fn for w in (w_gate_up, w_down)]
     if fp8_activations and not all(is_fp8):
         raise ValueError("fp8_activations needs both expert weights quantized to fp8 (quantize(w, 'fp8'))")
+    if shared is not None:
+        shared_gate_up, shared_down = shared
+        if (shared_gate_up.ndim != 2 or shared_gate_up.shape[0] != hidden or shared_gate_up.shape[1] % 2
+                or shared_down.shape != (shared_gate_up.shape[1] // 2, hidden)):
+            raise ValueError(f"shared weights must be [H={hidden}, 2I'] and [I', H], got {shared_gate_up.shape} and "
+                             f"{shared_down.shape}")
 
 
 def _fp8_round_trip(a):
@@ -467,17 +475,26 @@ def _split_scale_refs(refs, has_row_scale, has_col_scale):
     return row_scale_ref, w_ref, col_scale_ref, out_ref
 
 
+def _routed_expert(tile_expert_ref, row_tile, has_shared):
+    """The routed expert of this program's row tile, -1 for none: tiles past the last group hold no rows, and a
+    shared expert's tile comes first, so that its programs start in the first wave instead of trailing the grid."""
+    if not has_shared:
+        return tile_expert_ref[row_tile]
+    return jnp.where(row_tile == 0, -1, tile_expert_ref[jnp.maximum(row_tile - 1, 0)])
+
+
 def _gate_up_kernel(tile_expert_ref, row_token_ref, x_ref, *refs, block_m, tiles, inter, has_x_scale, has_w_scale,
-                    channel_major, interpret):
-    # tile_expert i32[R], row_token i32[R*bm], x [T, H], (x_scale f32[T]), w [E, H, 2I] or channel-major [E, 2I, H],
-    # (w_scale f32[E, 2I])
-    # -> act [R*bm, I]; this program: rows [r*bm, (r+1)*bm) x act columns [j*bn, (j+1)*bn)
+                    has_shared, channel_major, interpret):
+    # tile_expert i32[R], row_token i32[(S+R)*bm], x [T, H], (x_scale f32[T]), w [E, H, 2I] or channel-major
+    # [E, 2I, H], (w_scale f32[E, 2I]), (shared [1, H, 2I]: S = 1 row tile of every token before the routed ones)
+    # -> act [(S+R)*bm, I]; this program: rows [r*bm, (r+1)*bm) x act columns [j*bn, (j+1)*bn)
+    refs = list(refs)
+    shared_ref = refs.pop(-2) if has_shared else None
     x_scale_ref, w_ref, w_scale_ref, act_ref = _split_scale_refs(refs, has_x_scale, has_w_scale)
     row_tile, col_tile = pl.program_id(0), pl.program_id(1)
-    expert = tile_expert_ref[row_tile]
+    expert = _routed_expert(tile_expert_ref, row_tile, has_shared)
 
-    @pl.when(expert >= 0)  # tiles past the last group hold no rows
-    def _():
+    def tile(w_ref, expert, w_scale_ref, channel_major):
         rows = pl.ds(row_tile * block_m, block_m)
         tokens = row_token_ref[rows]  # i32[bm]
         gate_cols = pl.ds(col_tile * tiles.block_n, tiles.block_n)
@@ -504,17 +521,22 @@ def _gate_up_kernel(tile_expert_ref, row_token_ref, x_ref, *refs, block_m, tiles
             up = up * w_scale_ref[expert, up_cols][None, :]
         act_ref[rows, gate_cols] = (gate / (1.0 + jnp.exp(-gate)) * up).astype(act_ref.dtype)
 
+    pl.when(expert >= 0)(lambda: tile(w_ref, expert, w_scale_ref, channel_major))
+    if shared_ref is not None:
+        pl.when(row_tile == 0)(lambda: tile(shared_ref, 0, None, False))
 
-def _down_kernel(tile_expert_ref, act_ref, *refs, block_m, tiles, has_act_scale, has_w_scale, channel_major,
-                 interpret):
-    # tile_expert i32[R], act [R*bm, I], (act_scale f32[R*bm]), w [E, I, H] or channel-major [E, H, I],
-    # (w_scale f32[E, H]) -> out [R*bm, H]
+
+def _down_kernel(tile_expert_ref, act_ref, *refs, block_m, tiles, has_act_scale, has_w_scale, has_shared,
+                 channel_major, interpret):
+    # tile_expert i32[R], act [(S+R)*bm, I], (act_scale f32[R*bm]), w [E, I, H] or channel-major [E, H, I],
+    # (w_scale f32[E, H]), (shared [1, I, H]) -> out [(S+R)*bm, H]
+    refs = list(refs)
+    shared_ref = refs.pop(-2) if has_shared else None
     act_scale_ref, w_ref, w_scale_ref, out_ref = _split_scale_refs(refs, has_act_scale, has_w_scale)
     row_tile, col_tile = pl.program_id(0), pl.program_id(1)
-    expert = tile_expert_ref[row_tile]
+    expert = _routed_expert(tile_expert_ref, row_tile, has_shared)
 
-    @pl.when(expert >= 0)
-    def _():
+    def tile(w_ref, expert, w_scale_ref, channel_major):
         rows = pl.ds(row_tile * block_m, block_m)
         cols = pl.ds(col_tile * tiles.block_n, tiles.block_n)
 
@@ -533,6 +555,10 @@ def _down_kernel(tile_expert_ref, act_ref, *refs, block_m, tiles, has_act_scale,
             acc = acc * w_scale_ref[expert, cols][None, :]
         out_ref[rows, cols] = acc.astype(out_ref.dtype)
 
+    pl.when(expert >= 0)(lambda: tile(w_ref, expert, w_scale_ref, channel_major))
+    if shared_ref is not None:
+        pl.when(row_tile == 0)(lambda: tile(shared_ref, 0, None, False))
+
 
 def _compiler_params(gemm):
     return pltriton.CompilerParams(num_warps=gemm.num_warps, num_stages=gemm.num_stages)
@@ -543,37 +569,43 @@ def _scaled_operands(row_scale, w_values, w_scales) -> list:
     return [x for x in (row_scale, w_values, w_scales) if x is not None]
 
 
-def _gate_up(groups, x, x_scale, w_values, w_scales, channel_major, *, act_dtype, tiles, interpret):
-    """[R*bm, I] = silu(x[rows] @ Wg[e]) * (x[rows] @ Wu[e]) per row tile; a None scale is 1."""
-    num_rows = groups.row_token.shape[0]
+def _gate_up(groups, x, x_scale, w_values, w_scales, channel_major, *, act_dtype, tiles, interpret, shared=None):
+    """[R*bm, I] = silu(x[rows] @ Wg[e]) * (x[rows] @ Wu[e]) per row tile; a None scale is 1. A shared expert's
+    weights [H, 2I] add one row tile of every token first (every-token groups only: their first tile's rows)."""
+    row_token = groups.row_token
+    if shared is not None:
+        row_token = jnp.concatenate([row_token[:tiles.block_m], row_token])  # constants: folded when compiling
     inter = w_values.shape[1 if channel_major else 2] // 2
     kernel = functools.partial(_gate_up_kernel, block_m=tiles.block_m, tiles=tiles.gate_up, inter=inter,
                                has_x_scale=x_scale is not None, has_w_scale=w_scales is not None,
-                               channel_major=channel_major, interpret=interpret)
+                               has_shared=shared is not None, channel_major=channel_major, interpret=interpret)
     return pl.pallas_call(
         kernel,
-        grid=(groups.tile_expert.shape[0], inter // tiles.gate_up.block_n),
-        out_shape=jax.ShapeDtypeStruct((num_rows, inter), act_dtype),
+        grid=(row_token.shape[0] // tiles.block_m, inter // tiles.gate_up.block_n),
+        out_shape=jax.ShapeDtypeStruct((row_token.shape[0], inter), act_dtype),
         compiler_params=_compiler_params(tiles.gate_up),
         interpret=interpret,
         name="moe_gate_up",
-    )(groups.tile_expert, groups.row_token, x, *_scaled_operands(x_scale, w_values, w_scales))
+    )(groups.tile_expert, row_token, x, *_scaled_operands(x_scale, w_values, w_scales),
+      *([] if shared is None else [shared[None]]))
 
 
-def _down(groups, act, act_scale, w_values, w_scales, channel_major, *, out_dtype, tiles, interpret):
-    """[R*bm, H] = act[rows] @ Wd[e] per row tile; a None scale is 1."""
+def _down(groups, act, act_scale, w_values, w_scales, channel_major, *, out_dtype, tiles, interpret, shared=None):
+    """[R*bm, H] = act[rows] @ Wd[e] per row tile; a None scale is 1. A shared expert's weights [I, H] take the first
+    row tile (see _gate_up)."""
     num_rows, hidden = act.shape[0], w_values.shape[1 if channel_major else 2]
     kernel = functools.partial(_down_kernel, block_m=tiles.block_m, tiles=tiles.down,
                                has_act_scale=act_scale is not None, has_w_scale=w_scales is not None,
-                               channel_major=channel_major, interpret=interpret)
+                               has_shared=shared is not None, channel_major=channel_major, interpret=interpret)
     return pl.pallas_call(
         kernel,
-        grid=(groups.tile_expert.shape[0], hidden // tiles.down.block_n),
+        grid=(num_rows // tiles.block_m, hidden // tiles.down.block_n),
         out_shape=jax.ShapeDtypeStruct((num_rows, hidden), out_dtype),
         compiler_params=_compiler_params(tiles.down),
         interpret=interpret,
         name="moe_down",
-    )(groups.tile_expert, act, *_scaled_operands(act_scale, w_values, w_scales))
+    )(groups.tile_expert, act, *_scaled_operands(act_scale, w_values, w_scales),
+      *([] if shared is None else [shared[None]]))
 
 
 def _values_and_scales(w):
@@ -584,7 +616,8 @@ def _values_and_scales(w):
     return w, None, False
 
 
-def _moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, *, fp8_activations, tiles, interpret):
+def _moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, *, fp8_activations, tiles, interpret,
+                        shared=None):
     num_tokens, hidden = x.shape
     num_experts, _, two_inter = w_gate_up.shape
     if tiles is None:
@@ -593,23 +626,42 @@ def _moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, *, fp8
         tiles = default_tiles(num_tokens, expert_ids.shape[1], num_experts, hidden, two_inter // 2, weights)
     _check_tiles(tiles, hidden, two_inter // 2)
     groups = _group_by_expert(expert_ids, num_experts, tiles.block_m)
+    # every-token groups of plain weights take a shared expert of the experts' width as one more row tile: its
+    # weights stream beside the routed ones instead of in two XLA GEMMs, a SiLU-multiply and an add of their own
+    in_kernels = (shared is not None and num_tokens <= tiles.block_m and not fp8_activations
+                  and not isinstance(w_gate_up, QuantizedWeight) and shared[1].shape[0] == two_inter // 2)
+    shared_gate_up, shared_down = shared if in_kernels else (None, None)
 
     if fp8_activations:
         x_in, x_scale = quantize_rows(x)
     else:
         x_in, x_scale = x, None
     act = _gate_up(groups, x_in, x_scale, *_values_and_scales(w_gate_up), act_dtype=x.dtype, tiles=tiles,
-                   interpret=interpret)  # [R*bm, I]
+                   interpret=interpret, shared=shared_gate_up)  # [(S+R)*bm, I]
     if fp8_activations:
         act, act_scale = quantize_rows(act)
     else:
         act_scale = None
     out_rows = _down(groups, act, act_scale, *_values_and_scales(w_down), out_dtype=x.dtype, tiles=tiles,
-                     interpret=interpret)  # [R*bm, H]
+                     interpret=interpret, shared=shared_down)  # [(S+R)*bm, H]
 
-    routed = out_rows[groups.assignment_row].astype(jnp.float32)  # [T, C, H]
+    first_routed_row = tiles.block_m if in_kernels else 0
+    routed = out_rows[first_routed_row + groups.assignment_row].astype(jnp.float32)  # [T, C, H]
     out = jnp.sum(routed * expert_weights.astype(jnp.float32)[..., None], axis=1)
-    return out.astype(x.dtype)
+    if in_kernels:
+        return (out + out_rows[:num_tokens].astype(jnp.float32)).astype(x.dtype)
+    return _plus_shared(out.astype(x.dtype), x, shared)
+
+
+def _plus_shared(routed, x, shared):
+    """routed + the shared SwiGLU expert computed in XLA as layers.MLP does (one [H, 2I] GEMM, silu(gate) * up, the
+    down GEMM, in x's dtype; float32 in full float32); routed alone without one."""
+    if shared is None:
+        return routed
+    w_gate_up, w_down = shared
+    precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    gate, up = jnp.split(jnp.dot(x, w_gate_up.astype(x.dtype), precision=precision), 2, axis=-1)
+    return routed + jnp.dot(jax.nn.silu(gate) * up, w_down.astype(x.dtype), precision=precision)
 
 
 def _default_impl(hidden, inter):
@@ -619,8 +671,9 @@ def _default_impl(hidden, inter):
 
 @functools.partial(jax.named_call, name="moe_experts")
 def moe_experts(x, expert_ids, expert_weights, w_gate_up, w_down, *, impl="auto", interpret=False,
-                fp8_activations=False, tiles=None):
-    """Routed SwiGLU experts. Shapes in the module docstring; returns [T, H] in x's dtype.
+                fp8_activations=False, tiles=None, shared=None):
+    """Routed SwiGLU experts, plus a shared expert every token takes. Shapes in the module docstring; returns [T, H]
+    in x's dtype.
 
     Args:
       impl: "pallas", "reference", or "auto" (Pallas on the GPU for widths that are multiples of 16, the reference
@@ -630,12 +683,17 @@ def moe_experts(x, expert_ids, expert_weights, w_gate_up, w_down, *, impl="auto"
         otherwise quantized weights are up-cast in-kernel to x's dtype. Either way 1-byte weights run fastest
         channel-major, `quantize(w, mode, channel_major=True)` (see `_weight_on_left`).
       tiles: a MoeTiles for the Pallas kernels; None picks `default_tiles` by shape.
+      shared: (w_gate_up [H, 2I'], w_down [I', H]) plain weights of a shared expert, or None. The Pallas path runs
+        it in its kernels where the groups are every-token and the routed weights plain, and I' = I; elsewhere (and
+        in the reference) it is computed in XLA and added to the routed output in x's dtype.
     """
-    _check_inputs(x, expert_ids, expert_weights, w_gate_up, w_down, fp8_activations)
+    _check_inputs(x, expert_ids, expert_weights, w_gate_up, w_down, fp8_activations, shared)
     impl = _default_impl(x.shape[1], w_gate_up.shape[2] // 2) if impl == "auto" else impl
     if impl == "reference":
-        return moe_experts_reference(x, expert_ids, expert_weights, w_gate_up, w_down, fp8_activations=fp8_activations)
+        routed = moe_experts_reference(x, expert_ids, expert_weights, w_gate_up, w_down,
+                                       fp8_activations=fp8_activations)
+        return _plus_shared(routed, x, shared)
     if impl == "pallas":
         return _moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, fp8_activations=fp8_activations,
-                                   tiles=tiles, interpret=interpret)
+                                   tiles=tiles, interpret=interpret, shared=shared)
     raise ValueError(f"unknown moe impl {impl!r}; use 'auto', 'pallas' or 'reference'")

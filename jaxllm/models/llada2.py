@@ -70,9 +70,10 @@ class SparseMoE(nnx.Module):
             # as the reference gate: top-k weights normalised whenever top_k > 1, whatever norm_topk_prob says
             routed_scaling_factor=self.moe.routed_scaling_factor, norm_topk_prob=self.moe.num_experts_per_tok > 1)
         self.sow(nnx.Intermediate, "expert_ids", expert_ids)  # routing statistics; dead code unless popped
-        out = moe_experts(flat, expert_ids, weights, self.experts_gate_up.get_value(), self.experts_down.get_value())
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(flat)
+        shared = None if self.shared_experts is None else (self.shared_experts.gate_up_proj.kernel[...],
+                                                          self.shared_experts.down_proj.kernel[...])
+        out = moe_experts(flat, expert_ids, weights, self.experts_gate_up.get_value(), self.experts_down.get_value(),
+                          shared=shared)  # the kernels may run the shared expert beside the routed ones
         return out.reshape(shape)
 
 

@@ -226,6 +226,43 @@ def test_pallas_matches_reference(name):
     np.testing.assert_allclose(out, ref, rtol=rtol, atol=atol * np.sqrt(np.mean(ref**2)))
 
 
+SHARED_CASES = {  # name: (tokens, x dtype, routed weight mode, shared width / expert width, tiles, in the kernels)
+    "every_token_f32": (20, jnp.float32, None, 1, None, True),
+    "every_token_bf16": (32, jnp.bfloat16, None, 1, None, True),
+    "compare_grouping_f32": (40, jnp.float32, None, 1, SMALL_TILES, False),
+    "int8_routed_bf16": (20, jnp.bfloat16, "int8_channel_major", 1, None, False),
+    "wider_shared_f32": (20, jnp.float32, None, 2, None, False),
+}
+
+
+@pytest.mark.parametrize("name", list(SHARED_CASES))
+def test_a_shared_expert_runs_in_the_every_token_kernels_or_in_xla(name):
+    """Every-token groups of plain weights run a shared expert of the experts' width as one more row tile of their
+    kernels (no GEMM of its own in XLA); elsewhere XLA computes it. Either way: routed + shared, as the reference."""
+    num_tokens, dtype, mode, width, tiles, in_kernels = SHARED_CASES[name]
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    x, ids, weights, w_gate_up, w_down = _case_arrays(rng, num_tokens, 4, 8, "random")
+    inter = w_down.shape[1] * width
+    shared = (jnp.asarray(rng.normal(size=(HIDDEN, 2 * inter)) / np.sqrt(HIDDEN), dtype),
+              jnp.asarray(rng.normal(size=(inter, HIDDEN)) / np.sqrt(inter), dtype))
+    args = (jnp.asarray(x, dtype), jnp.asarray(ids), jnp.asarray(weights),
+            _as_weight(w_gate_up, mode, dtype), _as_weight(w_down, mode, dtype))
+
+    def run(*a):
+        return moe_experts(*a, impl="pallas", interpret=INTERPRET, shared=shared, tiles=tiles)
+
+    out = np.asarray(jax.jit(run)(*args), np.float32)
+    # the float32 oracle: what the kernels round to bf16 (SwiGLU outputs, each expert's rows, the sum) it does not
+    f32 = (args[0].astype(jnp.float32), *args[1:3], *(_as_weight(w, mode, jnp.float32) for w in (w_gate_up, w_down)))
+    ref = np.asarray(moe_experts(*f32, impl="reference", shared=jax.tree.map(lambda w: w.astype(jnp.float32), shared)))
+    routed_only = np.asarray(moe_experts(*f32, impl="reference"))
+    assert np.abs(ref - routed_only).max() > 0.1 * np.abs(ref).max()  # the shared expert weighs in
+    rtol, atol = _tolerance(dtype)
+    np.testing.assert_allclose(out, ref, rtol=rtol, atol=atol * np.sqrt(np.mean(ref**2)))
+    outside_kernels = [eqn.primitive.name for eqn in _equations(run, *args, into_kernels=False)]
+    assert outside_kernels.count("dot_general") == (0 if in_kernels else 2), outside_kernels
+
+
 @pytest.mark.parametrize("method", ["compare", "sort"])
 @pytest.mark.parametrize("pattern", ["random", "subset", "one_expert", "tile_plus_one"])
 def test_grouping_visits_only_filled_tiles(pattern, method):
@@ -327,27 +364,33 @@ def test_full_size_layer_lowers_to_triton_for_cuda(num_tokens):
                                                                num_cores=132))
     for mode, fp8_activations, channel_major in (("bf16", False, False), ("int8", False, False),
                                                  ("int8", False, True), ("fp8", False, True), ("fp8", True, True)):
-        run = jax.jit(functools.partial(moe_experts, impl="pallas", fp8_activations=fp8_activations))
+        run = jax.jit(lambda *a, fp8=fp8_activations: moe_experts(*a[:5], impl="pallas", fp8_activations=fp8,
+                                                                  shared=a[5:]))
         args = (jax.ShapeDtypeStruct((num_tokens, hidden), jnp.bfloat16),
                 jax.ShapeDtypeStruct((num_tokens, top_k), jnp.int32),
                 jax.ShapeDtypeStruct((num_tokens, top_k), jnp.float32),
                 _weight_struct((experts, hidden, 2 * inter), mode, channel_major),
-                _weight_struct((experts, inter, hidden), mode, channel_major))
+                _weight_struct((experts, inter, hidden), mode, channel_major),
+                # a shared expert: in the kernels at 32 tokens of plain weights, in XLA otherwise
+                jax.ShapeDtypeStruct((hidden, 2 * inter), jnp.bfloat16), jax.ShapeDtypeStruct((inter, hidden),
+                                                                                             jnp.bfloat16))
         with jax.sharding.use_abstract_mesh(mesh):
             text = run.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("__gpu$xla.gpu.triton") == 2, (mode, fp8_activations, channel_major)
         assert ("stablehlo.sort" in text) == (num_tokens * top_k > _COMPARE_MAX_ASSIGNMENTS)
 
 
-def _equations(fn, *args) -> list:
-    """Every equation of fn's jaxpr, nested jaxprs included, in program order."""
+def _equations(fn, *args, into_kernels=True) -> list:
+    """Every equation of fn's jaxpr, nested jaxprs included (a Pallas kernel's body unless into_kernels is False), in
+    program order."""
     found = []
 
     def walk(jaxpr):
         for eqn in jaxpr.eqns:
             found.append(eqn)
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                walk(sub)
+            if into_kernels or eqn.primitive.name != "pallas_call":
+                for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                    walk(sub)
 
     walk(jax.make_jaxpr(fn)(*args).jaxpr)
     return found
