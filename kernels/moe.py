@@ -24,7 +24,8 @@ Pallas path, all on device with static shapes:
   1. sort the A assignments by expert and give expert e the padded rows [start_e, start_e + ceil(n_e/bm)*bm);
      the padded total is at most R*bm rows (`_num_row_tiles`), so every array has a static shape. When all T
      tokens fit one row tile (decode batches of one window) nothing is sorted: each touched expert's tile holds
-     every token, and the rows no assignment reads are computed and never read;
+     every token, and the rows no assignment reads are computed and never read; the kernels then find whether
+     their tile's expert was chosen from the assignments themselves;
   2. gate_up kernel, grid (R, I/bn): row tile r gathers its tokens' rows of x and multiplies them by expert
      tile_expert[r]'s gate and up columns -> act[R*bm, I] = silu(gate) * up;
   3. down kernel, grid (R, H/bn): act rows @ that expert's w_down -> out_rows[R*bm, H];
@@ -318,6 +319,9 @@ class ExpertGroups(NamedTuple):
     row_token: jax.Array  # i32[R * bm]  token of each padded row; padding rows read token 0, and nobody reads them
     tile_expert: jax.Array  # i32[R]  expert of each row tile; -1 for a tile without rows
     assignment_row: jax.Array  # i32[T, C]  padded row that holds assignment (t, c)
+    # every_token only: i32[T*C] the experts chosen. The kernels test their tile's expert against these themselves,
+    # so tile_expert (one XLA reduction kernel per layer) is left for XLA to drop
+    expert_ids: jax.Array | None = None
 
 
 # Up to this many assignments (batch 8 of 32-token windows at top-8) the groups come from pairwise comparisons, whose
@@ -358,7 +362,7 @@ def _group_by_expert(expert_ids, num_experts, block_m, method="auto"):
         row_token = jnp.tile(jnp.where(in_tile < num_tokens, in_tile, 0), num_experts)
         assignment_row = expert_ids.astype(jnp.int32) * block_m + jnp.arange(num_tokens, dtype=jnp.int32)[:, None]
         # no barrier: nothing here is worth computing once for many consumers (the rows are one multiply-add)
-        return ExpertGroups(row_token, jnp.where(group_sizes > 0, expert, -1), assignment_row)
+        return ExpertGroups(row_token, jnp.where(group_sizes > 0, expert, -1), assignment_row, flat_expert)
     num_row_tiles = _num_row_tiles(num_assignments, num_experts, block_m)
     assignment = jnp.arange(num_assignments)
     padded_sizes = (group_sizes + block_m - 1) // block_m * block_m
@@ -475,24 +479,33 @@ def _split_scale_refs(refs, has_row_scale, has_col_scale):
     return row_scale_ref, w_ref, col_scale_ref, out_ref
 
 
-def _routed_expert(tile_expert_ref, row_tile, has_shared):
-    """The routed expert of this program's row tile, -1 for none: tiles past the last group hold no rows, and a
-    shared expert's tile comes first, so that its programs start in the first wave instead of trailing the grid."""
-    if not has_shared:
-        return tile_expert_ref[row_tile]
-    return jnp.where(row_tile == 0, -1, tile_expert_ref[jnp.maximum(row_tile - 1, 0)])
+def _tile_expert(experts_ref, row_tile, every_token, has_shared):
+    """The routed expert of this program's row tile, -1 for none. experts_ref is tile_expert i32[R] (-1 past the
+    last group), or with every_token the chosen experts i32[A]: tile e is expert e's if some assignment chose e. A
+    shared expert's tile comes first, so that its programs start in the first wave instead of trailing the grid;
+    the routed tiles follow it."""
+    routed_tile = row_tile - 1 if has_shared else row_tile
+    if every_token:
+        num_assignments = experts_ref.shape[0]
+        lanes = lax.iota(jnp.int32, 1 << max(num_assignments - 1, 0).bit_length())  # a power of 2 for Triton
+        chosen = experts_ref[jnp.minimum(lanes, num_assignments - 1)]
+        touched = jnp.max(jnp.where((lanes < num_assignments) & (chosen == routed_tile), 1, 0))
+        return jnp.where(touched > 0, routed_tile, -1)  # the shared tile (-1) matches no choice
+    expert = experts_ref[jnp.maximum(routed_tile, 0)]
+    return jnp.where(routed_tile >= 0, expert, -1) if has_shared else expert
 
 
-def _gate_up_kernel(tile_expert_ref, row_token_ref, x_ref, *refs, block_m, tiles, inter, has_x_scale, has_w_scale,
-                    has_shared, channel_major, interpret):
-    # tile_expert i32[R], row_token i32[(S+R)*bm], x [T, H], (x_scale f32[T]), w [E, H, 2I] or channel-major
-    # [E, 2I, H], (w_scale f32[E, 2I]), (shared [1, H, 2I]: S = 1 row tile of every token before the routed ones)
+def _gate_up_kernel(experts_ref, row_token_ref, x_ref, *refs, block_m, tiles, inter, has_x_scale, has_w_scale,
+                    has_shared, channel_major, every_token, interpret):
+    # tile_expert i32[R] (or with every_token the chosen experts i32[A]), row_token i32[(S+R)*bm], x [T, H],
+    # (x_scale f32[T]), w [E, H, 2I] or channel-major [E, 2I, H], (w_scale f32[E, 2I]), (shared [1, H, 2I]: S = 1
+    # row tile of every token before the routed ones)
     # -> act [(S+R)*bm, I]; this program: rows [r*bm, (r+1)*bm) x act columns [j*bn, (j+1)*bn)
     refs = list(refs)
     shared_ref = refs.pop(-2) if has_shared else None
     x_scale_ref, w_ref, w_scale_ref, act_ref = _split_scale_refs(refs, has_x_scale, has_w_scale)
     row_tile, col_tile = pl.program_id(0), pl.program_id(1)
-    expert = _routed_expert(tile_expert_ref, row_tile, has_shared)
+    expert = _tile_expert(experts_ref, row_tile, every_token, has_shared)
 
     def tile(w_ref, expert, w_scale_ref, channel_major):
         rows = pl.ds(row_tile * block_m, block_m)
@@ -526,15 +539,16 @@ def _gate_up_kernel(tile_expert_ref, row_token_ref, x_ref, *refs, block_m, tiles
         pl.when(row_tile == 0)(lambda: tile(shared_ref, 0, None, False))
 
 
-def _down_kernel(tile_expert_ref, act_ref, *refs, block_m, tiles, has_act_scale, has_w_scale, has_shared,
-                 channel_major, interpret):
-    # tile_expert i32[R], act [(S+R)*bm, I], (act_scale f32[R*bm]), w [E, I, H] or channel-major [E, H, I],
-    # (w_scale f32[E, H]), (shared [1, I, H]) -> out [(S+R)*bm, H]
+def _down_kernel(experts_ref, act_ref, *refs, block_m, tiles, has_act_scale, has_w_scale, has_shared,
+                 channel_major, every_token, interpret):
+    # tile_expert i32[R] (or with every_token the chosen experts i32[A]), act [(S+R)*bm, I], (act_scale
+    # f32[R*bm]), w [E, I, H] or channel-major [E, H, I], (w_scale f32[E, H]), (shared [1, I, H])
+    # -> out [(S+R)*bm, H]
     refs = list(refs)
     shared_ref = refs.pop(-2) if has_shared else None
     act_scale_ref, w_ref, w_scale_ref, out_ref = _split_scale_refs(refs, has_act_scale, has_w_scale)
     row_tile, col_tile = pl.program_id(0), pl.program_id(1)
-    expert = _routed_expert(tile_expert_ref, row_tile, has_shared)
+    expert = _tile_expert(experts_ref, row_tile, every_token, has_shared)
 
     def tile(w_ref, expert, w_scale_ref, channel_major):
         rows = pl.ds(row_tile * block_m, block_m)
@@ -564,6 +578,10 @@ def _compiler_params(gemm):
     return pltriton.CompilerParams(num_warps=gemm.num_warps, num_stages=gemm.num_stages)
 
 
+def _experts_operand(groups: ExpertGroups) -> jax.Array:
+    return groups.tile_expert if groups.expert_ids is None else groups.expert_ids
+
+
 def _scaled_operands(row_scale, w_values, w_scales) -> list:
     """The operands after the activations: a unit scale (None) is left out."""
     return [x for x in (row_scale, w_values, w_scales) if x is not None]
@@ -578,7 +596,8 @@ def _gate_up(groups, x, x_scale, w_values, w_scales, channel_major, *, act_dtype
     inter = w_values.shape[1 if channel_major else 2] // 2
     kernel = functools.partial(_gate_up_kernel, block_m=tiles.block_m, tiles=tiles.gate_up, inter=inter,
                                has_x_scale=x_scale is not None, has_w_scale=w_scales is not None,
-                               has_shared=shared is not None, channel_major=channel_major, interpret=interpret)
+                               has_shared=shared is not None, channel_major=channel_major,
+                               every_token=groups.expert_ids is not None, interpret=interpret)
     return pl.pallas_call(
         kernel,
         grid=(row_token.shape[0] // tiles.block_m, inter // tiles.gate_up.block_n),
@@ -586,7 +605,7 @@ def _gate_up(groups, x, x_scale, w_values, w_scales, channel_major, *, act_dtype
         compiler_params=_compiler_params(tiles.gate_up),
         interpret=interpret,
         name="moe_gate_up",
-    )(groups.tile_expert, row_token, x, *_scaled_operands(x_scale, w_values, w_scales),
+    )(_experts_operand(groups), row_token, x, *_scaled_operands(x_scale, w_values, w_scales),
       *([] if shared is None else [shared[None]]))
 
 
@@ -596,7 +615,8 @@ def _down(groups, act, act_scale, w_values, w_scales, channel_major, *, out_dtyp
     num_rows, hidden = act.shape[0], w_values.shape[1 if channel_major else 2]
     kernel = functools.partial(_down_kernel, block_m=tiles.block_m, tiles=tiles.down,
                                has_act_scale=act_scale is not None, has_w_scale=w_scales is not None,
-                               has_shared=shared is not None, channel_major=channel_major, interpret=interpret)
+                               has_shared=shared is not None, channel_major=channel_major,
+                               every_token=groups.expert_ids is not None, interpret=interpret)
     return pl.pallas_call(
         kernel,
         grid=(num_rows // tiles.block_m, hidden // tiles.down.block_n),
@@ -604,7 +624,7 @@ def _down(groups, act, act_scale, w_values, w_scales, channel_major, *, out_dtyp
         compiler_params=_compiler_params(tiles.down),
         interpret=interpret,
         name="moe_down",
-    )(groups.tile_expert, act, *_scaled_operands(act_scale, w_values, w_scales),
+    )(_experts_operand(groups), act, *_scaled_operands(act_scale, w_values, w_scales),
       *([] if shared is None else [shared[None]]))
 
 
