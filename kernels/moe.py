@@ -31,7 +31,8 @@ Pallas path, all on device with static shapes:
   3. down kernel, grid (R, H/bn): act rows @ that expert's w_down -> out_rows[R*bm, H];
   4. out[t] = sum_c w[t,c] * out_rows[row of (t, c)] (a gather and a sum over C).
 A shared expert (`shared=`, every token at weight 1) of the experts' width rides along as one more row tile of
-every token when the groups are every-token and the weights plain; elsewhere XLA computes it and adds it.
+every token, the grid's first (a last one trailed the grid), when the groups are every-token and the weights plain;
+elsewhere XLA computes it and adds it.
 Row tiles that hold no rows (past the last group; an untouched expert's, every-token) have tile_expert = -1 and
 return at once, so empty experts and unused padding cost no weight reads: a batch touches only its experts'
 weights, once per row tile.
