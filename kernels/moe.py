@@ -26,12 +26,13 @@ Pallas path, all on device with static shapes:
      tokens fit one row tile (decode batches of one window) nothing is sorted: each touched expert's tile holds
      every token, and the rows no assignment reads are computed and never read; the kernels then find whether
      their tile's expert was chosen from the assignments themselves;
-  2. gate_up kernel, grid (R, I/bn): row tile r gathers its tokens' rows of x and multiplies them by expert
-     tile_expert[r]'s gate and up columns -> act[R*bm, I] = silu(gate) * up;
+  2. gate_up kernel, grid (R, I/bn): row tile r gathers its tokens' rows of x and multiplies them by its expert's
+     gate and up columns (tile_expert[r]; every-token, expert r if chosen) -> act[R*bm, I] = silu(gate) * up;
   3. down kernel, grid (R, H/bn): act rows @ that expert's w_down -> out_rows[R*bm, H];
   4. out[t] = sum_c w[t,c] * out_rows[row of (t, c)] (a gather and a sum over C).
 A shared expert (`shared=`, every token at weight 1) of the experts' width rides along as one more row tile of
-every token, the grid's first (a last one trailed the grid), when the groups are every-token and the weights plain;
+every token, the grid's first (so its programs start in the first wave), when the groups are every-token and the
+weights plain;
 elsewhere XLA computes it and adds it.
 Row tiles that hold no rows (past the last group; an untouched expert's, every-token) have tile_expert = -1 and
 return at once, so empty experts and unused padding cost no weight reads: a batch touches only its experts'
@@ -480,7 +481,7 @@ def _split_scale_refs(refs, has_row_scale, has_col_scale):
     return row_scale_ref, w_ref, col_scale_ref, out_ref
 
 
-def _tile_expert(experts_ref, row_tile, every_token, has_shared):
+def _routed_expert(experts_ref, row_tile, every_token, has_shared):
     """The routed expert of this program's row tile, -1 for none. experts_ref is tile_expert i32[R] (-1 past the
     last group), or with every_token the chosen experts i32[A]: tile e is expert e's if some assignment chose e. A
     shared expert's tile comes first, so that its programs start in the first wave instead of trailing the grid;
@@ -506,7 +507,7 @@ def _gate_up_kernel(experts_ref, row_token_ref, x_ref, *refs, block_m, tiles, in
     shared_ref = refs.pop(-2) if has_shared else None
     x_scale_ref, w_ref, w_scale_ref, act_ref = _split_scale_refs(refs, has_x_scale, has_w_scale)
     row_tile, col_tile = pl.program_id(0), pl.program_id(1)
-    expert = _tile_expert(experts_ref, row_tile, every_token, has_shared)
+    expert = _routed_expert(experts_ref, row_tile, every_token, has_shared)
 
     def tile(w_ref, expert, w_scale_ref, channel_major):
         rows = pl.ds(row_tile * block_m, block_m)
@@ -543,13 +544,13 @@ def _gate_up_kernel(experts_ref, row_token_ref, x_ref, *refs, block_m, tiles, in
 def _down_kernel(experts_ref, act_ref, *refs, block_m, tiles, has_act_scale, has_w_scale, has_shared,
                  channel_major, every_token, interpret):
     # tile_expert i32[R] (or with every_token the chosen experts i32[A]), act [(S+R)*bm, I], (act_scale
-    # f32[R*bm]), w [E, I, H] or channel-major [E, H, I], (w_scale f32[E, H]), (shared [1, I, H])
-    # -> out [(S+R)*bm, H]
+    # f32[R*bm], never with a shared tile), w [E, I, H] or channel-major [E, H, I], (w_scale f32[E, H]),
+    # (shared [1, I, H]) -> out [(S+R)*bm, H]
     refs = list(refs)
     shared_ref = refs.pop(-2) if has_shared else None
     act_scale_ref, w_ref, w_scale_ref, out_ref = _split_scale_refs(refs, has_act_scale, has_w_scale)
     row_tile, col_tile = pl.program_id(0), pl.program_id(1)
-    expert = _tile_expert(experts_ref, row_tile, every_token, has_shared)
+    expert = _routed_expert(experts_ref, row_tile, every_token, has_shared)
 
     def tile(w_ref, expert, w_scale_ref, channel_major):
         rows = pl.ds(row_tile * block_m, block_m)
@@ -589,7 +590,7 @@ def _scaled_operands(row_scale, w_values, w_scales) -> list:
 
 
 def _gate_up(groups, x, x_scale, w_values, w_scales, channel_major, *, act_dtype, tiles, interpret, shared=None):
-    """[R*bm, I] = silu(x[rows] @ Wg[e]) * (x[rows] @ Wu[e]) per row tile; a None scale is 1. A shared expert's
+    """[(S+R)*bm, I] = silu(x[rows] @ Wg[e]) * (x[rows] @ Wu[e]) per row tile; a None scale is 1. A shared expert's
     weights [H, 2I] add one row tile of every token first (every-token groups only: their first tile's rows)."""
     row_token = groups.row_token
     if shared is not None:
@@ -611,8 +612,8 @@ def _gate_up(groups, x, x_scale, w_values, w_scales, channel_major, *, act_dtype
 
 
 def _down(groups, act, act_scale, w_values, w_scales, channel_major, *, out_dtype, tiles, interpret, shared=None):
-    """[R*bm, H] = act[rows] @ Wd[e] per row tile; a None scale is 1. A shared expert's weights [I, H] take the first
-    row tile (see _gate_up)."""
+    """[(S+R)*bm, H] = act[rows] @ Wd[e] per row tile; a None scale is 1. A shared expert's weights [I, H] take the
+    first row tile (see _gate_up)."""
     num_rows, hidden = act.shape[0], w_values.shape[1 if channel_major else 2]
     kernel = functools.partial(_down_kernel, block_m=tiles.block_m, tiles=tiles.down,
                                has_act_scale=act_scale is not None, has_w_scale=w_scales is not None,
@@ -649,8 +650,9 @@ def _moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, *, fp8
     groups = _group_by_expert(expert_ids, num_experts, tiles.block_m)
     # every-token groups of plain weights take a shared expert of the experts' width as one more row tile: its
     # weights stream beside the routed ones instead of in two XLA GEMMs, a SiLU-multiply and an add of their own
-    in_kernels = (shared is not None and num_tokens <= tiles.block_m and not fp8_activations
-                  and not isinstance(w_gate_up, QuantizedWeight) and shared[1].shape[0] == two_inter // 2)
+    in_kernels = (shared is not None and groups.expert_ids is not None and not fp8_activations
+                  and not any(isinstance(w, QuantizedWeight) for w in (w_gate_up, w_down))
+                  and shared[1].shape[0] == two_inter // 2)
     shared_gate_up, shared_down = shared if in_kernels else (None, None)
 
     if fp8_activations:

@@ -138,6 +138,9 @@ def _routing(rng, num_tokens, top_k, num_experts, pattern):
     if pattern == "subset":  # only experts 2, 5, 11 (of 16) are used: the rest are empty
         used = np.array([2, 5, 11])
         return np.stack([rng.choice(used, top_k, replace=False) for _ in range(num_tokens)])
+    if pattern == "ends":  # only the first, middle and last experts: the id bounds, most experts untouched
+        used = np.array([0, num_experts // 2, num_experts - 1])
+        return np.stack([rng.choice(used, top_k, replace=False) for _ in range(num_tokens)])
     if pattern == "one_expert":  # every token on expert E-2: one group spanning several row tiles
         return np.full((num_tokens, top_k), num_experts - 2)
     raise ValueError(pattern)
@@ -226,12 +229,19 @@ def test_pallas_matches_reference(name):
     np.testing.assert_allclose(out, ref, rtol=rtol, atol=atol * np.sqrt(np.mean(ref**2)))
 
 
-SHARED_CASES = {  # name: (tokens, x dtype, routed weight mode, shared width / expert width, tiles, in the kernels)
-    "every_token_f32": (20, jnp.float32, None, 1, None, True),
-    "every_token_bf16": (32, jnp.bfloat16, None, 1, None, True),
-    "compare_grouping_f32": (40, jnp.float32, None, 1, SMALL_TILES, False),
-    "int8_routed_bf16": (20, jnp.bfloat16, "int8_channel_major", 1, None, False),
-    "wider_shared_f32": (20, jnp.float32, None, 2, None, False),
+# Every-token cases leave experts untouched and choose some only once (one token; the id bounds), so a tile that skips
+# a chosen expert or runs an unchosen one fails; several column and k tiles move the shared tile's offsets.
+MULTI_TILE = MoeTiles(32, gate_up=GemmTiles(32, 32, 4, 2), down=GemmTiles(32, 32, 4, 2))
+SHARED_CASES = {  # name: (tokens, top_k, experts, routing, x dtype, routed weight mode, shared width / expert width,
+    #                      tiles, in the kernels)
+    "every_token_f32": (20, 4, 8, "random", jnp.float32, None, 1, None, True),
+    "every_token_bf16": (32, 4, 8, "random", jnp.bfloat16, None, 1, None, True),
+    "one_token_f32": (1, 4, 16, "random", jnp.float32, None, 1, None, True),
+    "id_bounds_f32": (6, 2, 16, "ends", jnp.float32, None, 1, None, True),
+    "several_tiles_f32": (20, 2, 16, "random", jnp.float32, None, 1, MULTI_TILE, True),
+    "compare_grouping_f32": (40, 4, 8, "random", jnp.float32, None, 1, SMALL_TILES, False),
+    "int8_routed_bf16": (20, 4, 8, "random", jnp.bfloat16, "int8_channel_major", 1, None, False),
+    "wider_shared_f32": (20, 4, 8, "random", jnp.float32, None, 2, None, False),
 }
 
 
@@ -239,9 +249,9 @@ SHARED_CASES = {  # name: (tokens, x dtype, routed weight mode, shared width / e
 def test_a_shared_expert_runs_in_the_every_token_kernels_or_in_xla(name):
     """Every-token groups of plain weights run a shared expert of the experts' width as one more row tile of their
     kernels (no GEMM of its own in XLA); elsewhere XLA computes it. Either way: routed + shared, as the reference."""
-    num_tokens, dtype, mode, width, tiles, in_kernels = SHARED_CASES[name]
+    num_tokens, top_k, num_experts, pattern, dtype, mode, width, tiles, in_kernels = SHARED_CASES[name]
     rng = np.random.default_rng(zlib.crc32(name.encode()))
-    x, ids, weights, w_gate_up, w_down = _case_arrays(rng, num_tokens, 4, 8, "random")
+    x, ids, weights, w_gate_up, w_down = _case_arrays(rng, num_tokens, top_k, num_experts, pattern)
     inter = w_down.shape[1] * width
     shared = (jnp.asarray(rng.normal(size=(HIDDEN, 2 * inter)) / np.sqrt(HIDDEN), dtype),
               jnp.asarray(rng.normal(size=(inter, HIDDEN)) / np.sqrt(inter), dtype))
