@@ -28,7 +28,7 @@ from jaxllm.kernels.moe import (
     route_grouped_sigmoid,
     route_softmax_topk,
 )
-from jaxllm.quantization import QuantizedWeight, quantize
+from jaxllm.quantization import QuantizedWeight, dequantize, quantize
 
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU
@@ -463,9 +463,10 @@ def test_e4m3_upcast_is_exact_for_every_byte():
 @pytest.mark.parametrize("mode", [None, "int8", "fp8", "int8_channel_major", "fp8_channel_major"])
 @pytest.mark.parametrize("num_tokens", [32, 2048, 8192])
 def test_full_size_layer_on_gpu(mode, num_tokens):
-    """LLaDA2.0-mini layer with its real router and the default tiles (one token count per tiling regime)."""
+    """LLaDA2.0-mini layer with its real router, its shared expert (in the kernels at 32 tokens of bf16 experts) and
+    the default tiles (one token count per tiling regime)."""
     experts, hidden, inter = 256, 2048, 512
-    keys = jax.random.split(jax.random.key(num_tokens), 5)
+    keys = jax.random.split(jax.random.key(num_tokens), 6)
     x = jax.random.normal(keys[0], (num_tokens, hidden), jnp.bfloat16)
     logits = jax.random.normal(keys[1], (num_tokens, experts), jnp.float32)
     weights, ids = route_grouped_sigmoid(logits, jnp.zeros(experts), top_k=8, n_group=8, topk_group=4,
@@ -473,10 +474,16 @@ def test_full_size_layer_on_gpu(mode, num_tokens):
     w_gate_up = (jax.random.normal(keys[2], (experts, hidden, 2 * inter)) / np.sqrt(hidden)).astype(jnp.bfloat16)
     w_down = (jax.random.normal(keys[3], (experts, inter, hidden)) / np.sqrt(inter)).astype(jnp.bfloat16)
     w_gate_up, w_down = _as_weight(w_gate_up, mode, jnp.bfloat16), _as_weight(w_down, mode, jnp.bfloat16)
+    shared_keys = jax.random.split(keys[5])
+    shared = ((jax.random.normal(shared_keys[0], (hidden, 2 * inter)) / np.sqrt(hidden)).astype(jnp.bfloat16),
+              (jax.random.normal(shared_keys[1], (inter, hidden)) / np.sqrt(inter)).astype(jnp.bfloat16))
 
-    out = np.asarray(jax.jit(lambda *a: moe_experts(*a, impl="pallas"))(x, ids, weights, w_gate_up, w_down),
-                     np.float32)
-    ref = np.asarray(moe_experts_reference(x, ids, weights, w_gate_up, w_down), np.float32)
+    out = np.asarray(jax.jit(lambda *a: moe_experts(*a, impl="pallas", shared=shared))(
+        x, ids, weights, w_gate_up, w_down), np.float32)
+    # the float32 oracle on the same (dequantized) weights: it rounds nothing the kernels round to bf16
+    f32 = functools.partial(dequantize, dtype=jnp.float32)
+    ref = np.asarray(moe_experts(f32(x), ids, weights, f32(w_gate_up), f32(w_down), impl="reference",
+                                 shared=tuple(map(f32, shared))))
     rtol, atol = _tolerance(jnp.bfloat16)
     np.testing.assert_allclose(out, ref, rtol=rtol, atol=atol * np.sqrt(np.mean(ref**2)))
 
