@@ -32,8 +32,7 @@ Pallas path, all on device with static shapes:
   4. out[t] = sum_c w[t,c] * out_rows[row of (t, c)] (a gather and a sum over C).
 A shared expert (`shared=`, every token at weight 1) of the experts' width rides along as one more row tile of
 every token, the grid's first (so its programs start in the first wave), when the groups are every-token and the
-weights plain;
-elsewhere XLA computes it and adds it.
+weights plain; elsewhere XLA computes it and adds it.
 Row tiles that hold no rows (past the last group; an untouched expert's, every-token) have tile_expert = -1 and
 return at once, so empty experts and unused padding cost no weight reads: a batch touches only its experts'
 weights, once per row tile.
@@ -484,17 +483,16 @@ def _split_scale_refs(refs, has_row_scale, has_col_scale):
 def _routed_expert(experts_ref, row_tile, every_token, has_shared):
     """The routed expert of this program's row tile, -1 for none. experts_ref is tile_expert i32[R] (-1 past the
     last group), or with every_token the chosen experts i32[A]: tile e is expert e's if some assignment chose e. A
-    shared expert's tile comes first, so that its programs start in the first wave instead of trailing the grid;
-    the routed tiles follow it."""
+    shared expert (every-token groups only) takes the first tile, so that its programs start in the first wave
+    instead of trailing the grid; the routed tiles follow it."""
+    if not every_token:
+        return experts_ref[row_tile]
     routed_tile = row_tile - 1 if has_shared else row_tile
-    if every_token:
-        num_assignments = experts_ref.shape[0]
-        lanes = lax.iota(jnp.int32, 1 << max(num_assignments - 1, 0).bit_length())  # a power of 2 for Triton
-        chosen = experts_ref[jnp.minimum(lanes, num_assignments - 1)]
-        touched = jnp.max(jnp.where((lanes < num_assignments) & (chosen == routed_tile), 1, 0))
-        return jnp.where(touched > 0, routed_tile, -1)  # the shared tile (-1) matches no choice
-    expert = experts_ref[jnp.maximum(routed_tile, 0)]
-    return jnp.where(routed_tile >= 0, expert, -1) if has_shared else expert
+    num_assignments = experts_ref.shape[0]
+    lanes = lax.iota(jnp.int32, 1 << max(num_assignments - 1, 0).bit_length())  # a power of 2 for Triton
+    chosen = experts_ref[jnp.minimum(lanes, num_assignments - 1)]
+    touched = jnp.max(jnp.where((lanes < num_assignments) & (chosen == routed_tile), 1, 0))
+    return jnp.where(touched > 0, routed_tile, -1)  # the shared tile (-1) matches no choice
 
 
 def _gate_up_kernel(experts_ref, row_token_ref, x_ref, *refs, block_m, tiles, inter, has_x_scale, has_w_scale,

@@ -353,8 +353,9 @@ def _paged_attention_kernel(layer_ref, page_table_ref, context_lens_ref, window_
 def _combine_splits(partial_out, partial_lse):
     """[N, B, Q, K, G, D] normalised partials + [N, B, Q, K, G] log2-sum-exp2s -> [B, Q, K, G, D] float32.
 
-    Written over the N splits one by one, all elementwise, so that XLA fuses the merge into one kernel; reductions
-    over the split axis became two (the weights' maximum, then the weighted sum), ~3 us per layer at batch 1.
+    Written over the N splits one by one, all elementwise, so that XLA fuses the merge into one kernel: reductions
+    over the split axis became two (the weights' maximum, then the weighted sum). On the H200 at batch 1: one
+    1.8-2.1 us kernel where the two took 1.6-2.1 + 1.1 us per layer (BENCHMARKS.md, run 13).
     """
     splits = range(partial_out.shape[0])
     top = functools.reduce(jnp.maximum, [partial_lse[n] for n in splits])
