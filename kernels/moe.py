@@ -290,6 +290,11 @@ def default_tiles(num_tokens, top_k, num_experts, hidden, inter, weights="plain"
         block_m, gate_up, down = 128, GemmTiles(128, 64, 8, 4), GemmTiles(256, 64, 8, 3)
     if num_tokens <= _EVERY_TOKEN_MAX_TOKENS and weights == "plain":
         block_m = max(block_m, 1 << (num_tokens - 1).bit_length())
+        # 64 x 64 weight tiles in 4 stages (80 KB of shared memory): two blocks per SM, 8 column tiles per expert.
+        # The 128 x 128 tiles (216 KB, one block per SM) ran ~148 programs in two waves on 132 SMs at batch 1
+        # (~37 touched experts x 4 column tiles): gate/up 51.8 -> 44.9 us per layer alone, LLaDA2 batch 1
+        # 2.472 -> 2.406 ms per forward (engine run 14, H200)
+        gate_up = GemmTiles(64, 64, 4, 4)
     return MoeTiles(
         block_m,
         dataclasses.replace(gate_up, block_n=_fit_block(inter, gate_up.block_n),
@@ -671,18 +676,23 @@ def _moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, *, fp8
     out = jnp.sum(routed * expert_weights.astype(jnp.float32)[..., None], axis=1)
     if in_kernels:
         return (out + out_rows[:num_tokens].astype(jnp.float32)).astype(x.dtype)
-    return _plus_shared(out.astype(x.dtype), x, shared)
+    return _plus_shared(out, x, shared).astype(x.dtype)
 
 
 def _plus_shared(routed, x, shared):
-    """routed + the shared SwiGLU expert computed in XLA as layers.MLP does (one [H, 2I] GEMM, silu(gate) * up, the
-    down GEMM, in x's dtype; float32 in full float32); routed alone without one."""
+    """routed + the shared SwiGLU expert in XLA (one [H, 2I] GEMM, silu(gate) * up, the down GEMM), rounded as the
+    kernels' shared tile is: float32 products, the SwiGLU output in x's dtype, the sum in float32 rounded once to
+    routed's dtype. (Rounding the GEMMs' outputs and each term to bf16 put 2 of 65536 outputs past the bf16
+    tolerance on the H200, with 2.5x the kernels' error on the shared term.) routed alone without one."""
     if shared is None:
         return routed
     w_gate_up, w_down = shared
     precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-    gate, up = jnp.split(jnp.dot(x, w_gate_up.astype(x.dtype), precision=precision), 2, axis=-1)
-    return routed + jnp.dot(jax.nn.silu(gate) * up, w_down.astype(x.dtype), precision=precision)
+    gate_up = jnp.dot(x, w_gate_up.astype(x.dtype), precision=precision, preferred_element_type=jnp.float32)
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    act = (jax.nn.silu(gate) * up).astype(x.dtype)
+    shared_out = jnp.dot(act, w_down.astype(x.dtype), precision=precision, preferred_element_type=jnp.float32)
+    return (routed.astype(jnp.float32) + shared_out).astype(routed.dtype)
 
 
 def _default_impl(hidden, inter):

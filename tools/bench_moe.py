@@ -184,7 +184,7 @@ def sweep_tiles(num_tokens):
     with the regime's previous default). In the 16-row regime 1-byte weights want deeper k tiles than bf16 (MoE run 8:
     64 x 256 gate/up tiles on 8 warps, 1.64-1.66x bf16 at 32 tokens); some of those tiles need too much shared memory
     for bf16 and fail to compile there. Up to 32 tokens the 16-row tiles are also timed with rows for every token
-    (bf16's default there since engine run 11; int8's lost at 32 rows)."""
+    (bf16's default there since engine run 11; int8's lost at 32 rows), beside gate/up tiles for two blocks per SM."""
     block_m = default_tiles(num_tokens, TOP_K, EXPERTS, HIDDEN, INTER).block_m
     if block_m <= 32:  # memory-bound: bf16's 16-row default, the 1-byte default, run 7's 1-byte default, then
         # neighbours of the 1-byte one
@@ -195,7 +195,8 @@ def sweep_tiles(num_tokens):
                         MoeTiles(16, GemmTiles(128, 256, 8, 3), GemmTiles(128, 128, 4, 3)),
                         MoeTiles(16, GemmTiles(64, 512, 8, 2), GemmTiles(128, 128, 4, 3)),
                         MoeTiles(16, GemmTiles(64, 256, 8, 3), GemmTiles(128, 256, 4, 2))]
-        every_token = [dataclasses.replace(tiles, block_m=block_m) for tiles in sixteen_rows[:2]]
+        every_token = [dataclasses.replace(tiles, block_m=block_m) for tiles in sixteen_rows[:2]] + [
+            MoeTiles(block_m, GemmTiles(64, 128, 4, 2), GemmTiles(256, 64, 4, 3))]  # 2 blocks per SM (engine run 14)
         return sixteen_rows + (every_token if block_m > 16 else [])
     if block_m == 64:
         return [MoeTiles(64, GemmTiles(128, 64, 8, 3), GemmTiles(128, 64, 4, 3)),
