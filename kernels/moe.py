@@ -265,13 +265,13 @@ WEIGHT_FORMATS = ("plain", "upcast", "fp8_activations")
 def default_tiles(num_tokens, top_k, num_experts, hidden, inter, weights="plain"):
     """Tiles by the mean rows per expert: small tiles stream weights at decode sizes, large ones feed tensor cores.
 
-    Picked from the H200 sweeps in tools/bench_moe.py (LLaDA2.0-mini shapes, JAX 0.11.2). weights: "plain" (the
-    activations' dtype), "upcast" (int8 or e4m3 weights that the kernels up-cast to the activations' dtype) or
-    "fp8_activations" (e4m3 x e4m3 products, tiled as plain). Up to _EVERY_TOKEN_MAX_TOKENS tokens a plain weight's
-    row tile grows to hold them all, so the grouping is only which experts are touched (`_group_by_expert`): LLaDA2
-    batch 1 2.732 -> 2.632 ms per forward (engine run 11). Up-cast weights keep 16 rows: their gate/up kernel took
-    48 us per layer at 32 rows against 37 at 16 (H200, 32 tokens, 48 experts), more than the grouping saves; fp8 x
-    fp8 at 32 rows is unmeasured, so it keeps 16 too.
+    Picked from the H200 sweeps in tools/bench_moe.py and, for one decode window, tools/bench_moe_decode.py
+    (LLaDA2.0-mini shapes, JAX 0.11.2). weights: "plain" (the activations' dtype), "upcast" (int8 or e4m3 weights
+    that the kernels up-cast to the activations' dtype) or "fp8_activations" (e4m3 x e4m3 products, tiled as plain).
+    Up to _EVERY_TOKEN_MAX_TOKENS tokens a plain weight's row tile grows to hold them all, so the grouping is only
+    which experts are touched (`_group_by_expert`): LLaDA2 batch 1 2.732 -> 2.632 ms per forward (engine run 11).
+    Up-cast weights keep 16 rows: their gate/up kernel took 48 us per layer at 32 rows against 37 at 16 (H200, 32
+    tokens, 48 experts), more than the grouping saves; fp8 x fp8 at 32 rows is unmeasured, so it keeps 16 too.
     """
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {weights!r}; use one of {WEIGHT_FORMATS}")
@@ -290,11 +290,12 @@ def default_tiles(num_tokens, top_k, num_experts, hidden, inter, weights="plain"
         block_m, gate_up, down = 128, GemmTiles(128, 64, 8, 4), GemmTiles(256, 64, 8, 3)
     if num_tokens <= _EVERY_TOKEN_MAX_TOKENS and weights == "plain":
         block_m = max(block_m, 1 << (num_tokens - 1).bit_length())
-        # 64 x 64 weight tiles in 4 stages (80 KB of shared memory): two blocks per SM, 8 column tiles per expert.
-        # The 128 x 128 tiles (216 KB, one block per SM) ran ~148 programs in two waves on 132 SMs at batch 1
-        # (~37 touched experts x 4 column tiles): gate/up 51.8 -> 44.9 us per layer alone, LLaDA2 batch 1
-        # 2.472 -> 2.406 ms per forward (engine run 14, H200)
-        gate_up = GemmTiles(64, 64, 4, 4)
+        if rows_per_expert <= 16:
+            # 64 x 64 weight tiles in 4 stages (80 KB of shared memory): two blocks per SM. The 128 x 128 tiles
+            # (216 KB) fit one, so ~37 touched experts x 4 column tiles = ~148 programs queued on 132 SMs: gate/up
+            # 51.8 -> 44.9 us per layer alone (tools/bench_moe_decode.py), LLaDA2 batch 1 2.472 -> 2.406 ms per
+            # forward (engine run 14, H200; measured at LLaDA2's shapes only)
+            gate_up = GemmTiles(64, 64, 4, 4)
     return MoeTiles(
         block_m,
         dataclasses.replace(gate_up, block_n=_fit_block(inter, gate_up.block_n),
@@ -680,10 +681,11 @@ def _moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, *, fp8
 
 
 def _plus_shared(routed, x, shared):
-    """routed + the shared SwiGLU expert in XLA (one [H, 2I] GEMM, silu(gate) * up, the down GEMM), rounded as the
-    kernels' shared tile is: float32 products, the SwiGLU output in x's dtype, the sum in float32 rounded once to
-    routed's dtype. (Rounding the GEMMs' outputs and each term to bf16 put 2 of 65536 outputs past the bf16
-    tolerance on the H200, with 2.5x the kernels' error on the shared term.) routed alone without one."""
+    """routed + the shared SwiGLU expert in XLA (one [H, 2I] GEMM, silu(gate) * up, the down GEMM), at least as
+    precise as the kernels' shared tile: float32 GEMM outputs, the SwiGLU output in x's dtype, the shared term kept
+    in float32 and added to routed in float32, one rounding to routed's dtype. (Rounding both GEMMs' outputs to
+    bf16 gave the shared term 2.5x the kernels' error and put 2 of 65536 outputs of the quantized full-size test
+    past its bf16 tolerance on the H200.) routed alone without one."""
     if shared is None:
         return routed
     w_gate_up, w_down = shared
@@ -716,7 +718,7 @@ def moe_experts(x, expert_ids, expert_weights, w_gate_up, w_down, *, impl="auto"
       tiles: a MoeTiles for the Pallas kernels; None picks `default_tiles` by shape.
       shared: (w_gate_up [H, 2I'], w_down [I', H]) plain weights of a shared expert, or None. The Pallas path runs
         it in its kernels where the groups are every-token and the routed weights plain, and I' = I; elsewhere (and
-        in the reference) it is computed in XLA and added to the routed output in x's dtype.
+        in the reference) it is computed in XLA (`_plus_shared`) and added to the routed output in float32.
     """
     _check_inputs(x, expert_ids, expert_weights, w_gate_up, w_down, fp8_activations, shared)
     impl = _default_impl(x.shape[1], w_gate_up.shape[2] // 2) if impl == "auto" else impl
