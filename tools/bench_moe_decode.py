@@ -38,8 +38,8 @@ class Shape:
 
 
 TINY = Shape(experts=64, hidden=128, inter=64)
-# around the default: finer gate/up tiles and more blocks per SM (the 64 x 64 x 4-stage default won engine run 14),
-# and down tiles for two or three blocks per SM
+# around the default: the previous gate/up default (128 x 128, one block per SM) first, then finer tiles and more
+# blocks per SM (the 64 x 64 x 4-stage default won engine run 14); down tiles for two or three blocks per SM
 DEFAULT_GATE_UP = ["128,128,4,3", "64,128,4,2", "32,128,4,3", "32,64,4,4", "64,64,8,4", "128,64,4,3"]
 DEFAULT_DOWN = ["128,64,4,3", "64,128,4,3", "256,64,4,2", "128,128,4,2", "64,64,4,4"]
 

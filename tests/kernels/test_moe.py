@@ -347,8 +347,8 @@ def test_default_tiles_hold_every_token_of_one_window_for_plain_weights_only():
 
 
 def test_every_token_gate_up_tiles_fit_two_blocks_per_sm():
-    """Engine run 14: at batch 1 one 216 KB gate/up block per SM ran ~148 programs in two waves on the H200's 132 SMs;
-    tiles whose pipeline buffers fit twice in an SM's 228 KB took 51.8 -> 44.9 us per layer."""
+    """Engine run 14: at batch 1 the 216 KB gate/up tiles fit one block per SM, so ~148 programs queued on the H200's
+    132 SMs; tiles whose pipeline buffers fit twice in an SM's 228 KB took 51.8 -> 44.9 us per layer."""
     tiles = default_tiles(32, 8, 256, 2048, 512)
     gate_up = tiles.gate_up  # each stage holds an x tile and a gate and an up weight tile, bf16
     stage_bytes = 2 * (tiles.block_m * gate_up.block_k + 2 * gate_up.block_k * gate_up.block_n)
