@@ -10,7 +10,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxllm.kernels.top_k_top_p import filter_threshold, order_keys
+from jaxllm.kernels.top_k_top_p import filter_threshold, kept_mass, order_keys
 
 
 @dataclasses.dataclass
@@ -43,18 +43,28 @@ class SamplingParams:
             raise ValueError(f"seed must lie in [0, 2**32), got {self.seed}")
 
 
-def _greedy_proposals(logits):
+def _probability_of(logits, candidates, threshold, allowed=None):
+    """softmax over each row's kept logits (order key >= threshold, and allowed), at its candidate, as
+    1 / sum(exp(kept - chosen)): no separate max pass, and for an argmax the formula of PyTorch's softmax maximum
+    (exp(0) = 1 over the sum). A candidate ~88 below the maximum overflows the sum to inf: probability 0. The sum
+    is `kept_mass`'s, whose terms are added in the same order in any batch and either branch of propose."""
+    batch, window, vocab = logits.shape
+    chosen = jnp.take_along_axis(logits, candidates[..., None], axis=-1).astype(jnp.float32)
+    mass = kept_mass(logits.reshape(-1, vocab), threshold.reshape(-1), chosen.reshape(-1), allowed)
+    return 1.0 / mass.reshape(batch, window)
+
+
+def _masked(logits, allowed):
+    """float32 logits, -inf where a token may not be proposed (allowed bool[V] or None: all may)."""
+    logits = logits.astype(jnp.float32)
+    return logits if allowed is None else jnp.where(allowed, logits, -jnp.inf)
+
+
+def _greedy_proposals(logits, allowed):
     """The argmax and its softmax probability, in two passes over the logits (argmax, then a sum of exponentials)."""
-    candidates = jnp.argmax(logits, axis=-1)
-    return candidates, _probability_of(logits, candidates)
-
-
-def _probability_of(logits, candidates):
-    """softmax(logits)[candidate] as 1 / sum(exp(logits - chosen)): no separate max pass, and for an argmax the
-    formula of PyTorch's softmax maximum (exp(0) = 1 over the sum). A candidate ~88 below the maximum overflows the
-    sum to inf: probability 0."""
-    chosen = jnp.take_along_axis(logits, candidates[..., None], axis=-1)
-    return 1.0 / jnp.sum(jnp.exp(logits - chosen), axis=-1)
+    batch, window, _ = logits.shape
+    candidates = jnp.argmax(_masked(logits, allowed), axis=-1)
+    return candidates, _probability_of(logits, candidates, jnp.zeros((batch, window), jnp.uint32), allowed)
 
 
 def _sampled_proposals(logits, seeds, positions, steps, temperature, top_k, top_p):
@@ -69,7 +79,7 @@ def _sampled_proposals(logits, seeds, positions, steps, temperature, top_k, top_
         needs_filter,
         lambda s: filter_threshold(s.reshape(-1, vocab), rows(top_k), rows(top_p)).reshape(batch, window),
         lambda s: jnp.zeros((batch, window), jnp.uint32), scaled)
-    scaled = jnp.where(order_keys(scaled) >= threshold[..., None], scaled, -jnp.inf)
+    filtered = jnp.where(order_keys(scaled) >= threshold[..., None], scaled, -jnp.inf)
 
     def gumbel_argmax(s):
         def one(seed, position, step, row):
@@ -79,8 +89,8 @@ def _sampled_proposals(logits, seeds, positions, steps, temperature, top_k, top_
         return jnp.where(greedy[:, None], jnp.argmax(s, axis=-1), sampled)
 
     # greedy rows with a top-k / top-p filter come here too: draw noise only when some row samples
-    candidates = jax.lax.cond(jnp.any(~greedy), gumbel_argmax, lambda s: jnp.argmax(s, axis=-1), scaled)
-    return candidates, _probability_of(scaled, candidates)
+    candidates = jax.lax.cond(jnp.any(~greedy), gumbel_argmax, lambda s: jnp.argmax(s, axis=-1), filtered)
+    return candidates, _probability_of(scaled, candidates, threshold)
 
 
 def propose(logits, seeds, positions, steps, temperature, top_k, top_p, allowed=None):
@@ -92,17 +102,14 @@ def propose(logits, seeds, positions, steps, temperature, top_k, top_p, allowed=
     Returns (candidates i32[B, Q], confidence f32[B, Q]): confidence is the candidate's probability under the
     distribution it was drawn from (temperature, top-k and top-p applied; plain softmax when greedy).
 
-    A batch of plain greedy requests (the common case) takes a branch of two fused passes over the logits; any
+    A batch of plain greedy requests (the common case) takes a branch of two passes over the logits; any
     sampling or filtering takes the general branch, which computes a greedy row's candidate and confidence with the
     same operations, so a request's output does not depend on its batch. The mask is applied inside each branch: a
     masked copy as the branches' operand would be one more full write and read of the logits.
     """
-    def masked(raw):
-        raw = raw.astype(jnp.float32)
-        return raw if allowed is None else jnp.where(allowed, raw, -jnp.inf)
-
     plain_greedy = jnp.all((temperature <= 0.0) & (top_k <= 0) & (top_p >= 1.0))
     candidates, confidence = jax.lax.cond(
-        plain_greedy, lambda raw: _greedy_proposals(masked(raw)),
-        lambda raw: _sampled_proposals(masked(raw), seeds, positions, steps, temperature, top_k, top_p), logits)
+        plain_greedy, lambda raw: _greedy_proposals(raw, allowed),
+        lambda raw: _sampled_proposals(_masked(raw, allowed), seeds, positions, steps, temperature, top_k, top_p),
+        logits)
     return candidates.astype(jnp.int32), confidence

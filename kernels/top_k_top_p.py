@@ -1,4 +1,5 @@
-"""The thresholds of the top-k and top-p filters: per row of logits, the smallest logit each filter keeps.
+"""The thresholds of the top-k and top-p filters: per row of logits, the smallest logit each filter keeps, and the
+probability mass of what they keep.
 
 Top-k keeps the logits >= the k-th largest (ties included); top-p then keeps the smallest set of the largest of
 those whose probability, renormalised over what top-k kept, reaches top_p (ties at its edge included): the order of
@@ -15,6 +16,9 @@ kernel     each threshold is searched `bits` at a time from the top key bit: a s
            passes' work (an empty program). Segments keep the GPU busy at a few rows (one program per row would
            leave most SMs idle at 32 rows) and depend on the vocabulary alone, so a row's sums do not depend on
            its batch.
+
+kept_mass  the softmax denominator over what a row keeps (the sampler's confidences), by the same segment sums:
+           on the GPU, where XLA's reductions may add a row's terms in an order that depends on its batch.
 """
 
 import functools
@@ -54,11 +58,15 @@ def filter_threshold_reference(logits, top_k, top_p):
 _OFFSET_LIMIT = 2**31  # the kernels' offsets into the logits are int32
 
 
-def _load(logits_ref, row, seg, i, chunk, segment):
-    """Chunk i of a row's segment, -inf past the vocabulary's end, and which of its logits are in the vocabulary."""
+def _load(logits_ref, row, seg, i, chunk, segment, allowed_ref=None):
+    """Chunk i of a row's segment in float32, -inf past the vocabulary's end, and which of its logits count: those in
+    the vocabulary (and allowed, with an allowed_ref)."""
     start = seg * segment + i * chunk
     valid = start + lax.iota(jnp.int32, chunk) < logits_ref.shape[1]
-    return pltriton.load(logits_ref.at[row, pl.ds(start, chunk)], mask=valid, other=-jnp.inf), valid
+    x = pltriton.load(logits_ref.at[row, pl.ds(start, chunk)], mask=valid, other=-jnp.inf).astype(jnp.float32)
+    if allowed_ref is not None:
+        valid = valid & (pltriton.load(allowed_ref.at[pl.ds(start, chunk)], mask=valid, other=0) != 0)
+    return x, valid
 
 
 def _segment_maximum_kernel(logits_ref, maximum_ref, *, chunk, segment):
@@ -71,17 +79,20 @@ def _segment_maximum_kernel(logits_ref, maximum_ref, *, chunk, segment):
     maximum_ref[row * pl.num_programs(1) + seg] = jnp.max(lanes)
 
 
-def _segment_sums_kernel(logits_ref, active_ref, shift_ref, candidates_ref, sums_ref, *, chunk, segment,
-                         num_candidates, weighted):
-    """For each candidate key c: the sum over the segment's logits with key >= c of 1 (a count) or, weighted,
-    exp(logit - shift). One [chunk] accumulator per candidate: a [chunk, candidates] one would make Triton move
-    every step's keys through shared memory, with barriers, to match its layout."""
+def _segment_sums_kernel(logits_ref, active_ref, shift_ref, candidates_ref, *refs, chunk, segment, num_candidates,
+                         weighted):
+    """For each candidate key c: the sum over the segment's logits with key >= c (and allowed, where an allowed ref
+    comes before the output) of 1 (a count) or, weighted, exp(logit - shift). One [chunk] accumulator per candidate:
+    a [chunk, candidates] one would make Triton move every step's keys through shared memory, with barriers, to
+    match its layout."""
+    *allowed_ref, sums_ref = refs
+    allowed_ref = allowed_ref[0] if allowed_ref else None
     row, seg = pl.program_id(0), pl.program_id(1)
     candidates = [candidates_ref[row * num_candidates + c] for c in range(num_candidates)]
     shift = shift_ref[row]
 
     def accumulate(i, sums):
-        x, valid = _load(logits_ref, row, seg, i, chunk, segment)
+        x, valid = _load(logits_ref, row, seg, i, chunk, segment, allowed_ref)
         keys = order_keys(x)
         weights = jnp.exp(x - shift) if weighted else jnp.ones_like(x)
         return tuple(s + jnp.where((keys >= c) & valid, weights, 0.0) for s, c in zip(sums, candidates))
@@ -94,43 +105,57 @@ def _segment_sums_kernel(logits_ref, active_ref, shift_ref, candidates_ref, sums
         sums_ref[(row * pl.num_programs(1) + seg) * num_candidates + c] = jnp.sum(s)
 
 
-def _filter_threshold_pallas(logits, top_k, top_p, *, chunk, segment, bits, interpret):
+def _in_row_blocks(function, logits, *per_row, segment):
+    """function(logits, *per_row) on blocks of rows: offsets past _OFFSET_LIMIT (a row's last segment reaches up
+    to `segment` past the vocabulary) run as further calls, each row's result the same in any block."""
     num_rows, vocab = logits.shape
-    # offsets past _OFFSET_LIMIT (a row's last segment reaches up to `segment` past the vocabulary) run as blocks
-    # of rows, each row's result the same in any block
     rows_per_call = (_OFFSET_LIMIT - segment) // vocab
     if rows_per_call == 0:
         raise ValueError(f"a vocabulary of {vocab} exceeds the kernel's 32-bit offsets")
-    if num_rows > rows_per_call:
-        blocks = [slice(start, start + rows_per_call) for start in range(0, num_rows, rows_per_call)]
-        return jnp.concatenate([_filter_threshold_pallas(logits[rows], top_k[rows], top_p[rows], chunk=chunk,
-                                                         segment=segment, bits=bits, interpret=interpret)
-                                for rows in blocks])
-    num_segments = pl.cdiv(vocab, segment)
+    if num_rows <= rows_per_call:
+        return function(logits, *per_row)
+    return jnp.concatenate([function(logits[start:start + rows_per_call], *(a[start:start + rows_per_call]
+                                                                            for a in per_row))
+                            for start in range(0, num_rows, rows_per_call)])
+
+
+def _segment_call(kernel, out_size, logits, *operands, chunk, segment, interpret, **params):
+    """kernel over a grid of (row, segment of the vocabulary) -> f32[out_size]."""
+    num_rows, vocab = logits.shape
     raw = pl.BlockSpec(memory_space=pl.ANY)
+    return pl.pallas_call(
+        functools.partial(kernel, chunk=chunk, segment=segment, **params),
+        out_shape=jax.ShapeDtypeStruct((out_size,), jnp.float32),
+        grid=(num_rows, pl.cdiv(vocab, segment)),
+        in_specs=[raw] * (1 + len(operands)),
+        out_specs=raw,
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="top_k_top_p_" + kernel.__name__.strip("_").removesuffix("_kernel"),
+    )(logits, *operands)
 
-    def call(kernel, out_size, *operands, **params):
-        return pl.pallas_call(
-            functools.partial(kernel, chunk=chunk, segment=segment, **params),
-            out_shape=jax.ShapeDtypeStruct((out_size,), jnp.float32),
-            grid=(num_rows, num_segments),
-            in_specs=[raw] * len(operands),
-            out_specs=raw,
-            compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
-            interpret=interpret,
-            name="top_k_top_p_" + kernel.__name__.strip("_").removesuffix("_kernel"),
-        )(*operands)
 
-    def in_order_sum(partials):
-        """[N, segments, C] -> [N, C], segments added one after another: each row's sums depend on that row alone
-        (a reduction's order may change with the number of rows), so a request draws the same in any batch."""
-        return functools.reduce(jnp.add, (partials[:, s] for s in range(num_segments)))
+def _segment_sums(logits, active, shift, candidates, *, weighted, allowed=None, chunk, segment, interpret):
+    """[N, V] logits, active bool[N], shift f32[N], candidates u32[N, C] -> f32[N, C] (see _segment_sums_kernel),
+    the segments' sums added one after another: each row's sums depend on that row alone (a reduction's order may
+    change with the number of rows), so a request draws the same in any batch."""
+    num_rows, vocab = logits.shape
+    num_segments, num_candidates = pl.cdiv(vocab, segment), candidates.shape[1]
+    operands = [active.astype(jnp.int32), shift, candidates.reshape(-1)]
+    if allowed is not None:
+        operands.append(allowed.astype(jnp.int8))
+    partials = _segment_call(_segment_sums_kernel, num_rows * num_segments * num_candidates, logits, *operands,
+                             num_candidates=num_candidates, weighted=weighted, chunk=chunk, segment=segment,
+                             interpret=interpret).reshape(num_rows, num_segments, num_candidates)
+    return functools.reduce(jnp.add, (partials[:, s] for s in range(num_segments)))
+
+
+def _filter_threshold_pallas(logits, top_k, top_p, *, chunk, segment, bits, interpret):
+    num_rows, vocab = logits.shape
+    tiling = dict(chunk=chunk, segment=segment, interpret=interpret)
 
     def segment_sums(active, shift, candidates, weighted):
-        partials = call(_segment_sums_kernel, num_rows * num_segments * candidates.shape[1], logits,
-                        active.astype(jnp.int32), shift, candidates.reshape(-1), num_candidates=candidates.shape[1],
-                        weighted=weighted)
-        return in_order_sum(partials.reshape(num_rows, num_segments, candidates.shape[1]))
+        return _segment_sums(logits, active, shift, candidates, weighted=weighted, **tiling)
 
     def largest_key(active, shift, weighted, enough, floor=None):
         """Per row, the largest key t with enough(sum at or above t), decided `bits` at a time from the top bit:
@@ -154,7 +179,8 @@ def _filter_threshold_pallas(logits, top_k, top_p, *, chunk, segment, bits, inte
             answer = answer | (jnp.sum(passed, axis=1, dtype=jnp.uint32) << shift_bits)
         return jnp.where(active, answer, jnp.uint32(0))
 
-    maximum = jnp.max(call(_segment_maximum_kernel, num_rows * num_segments, logits).reshape(num_rows, -1), axis=1)
+    maximum = jnp.max(_segment_call(_segment_maximum_kernel, num_rows * pl.cdiv(vocab, segment), logits, **tiling)
+                      .reshape(num_rows, -1), axis=1)
     maximum = jnp.where(jnp.isfinite(maximum), maximum, 0.0)  # a row of -inf has no exponent to subtract
     # counts of up to 2^24 are exact in float32
     kth = largest_key((top_k > 0) & (top_k < vocab), maximum, False,
@@ -163,6 +189,23 @@ def _filter_threshold_pallas(logits, top_k, top_p, *, chunk, segment, bits, inte
     # counted over what top-k keeps (kth = 0 where top-k is off: everything)
     pth = largest_key(top_p < 1.0, maximum, True, lambda mass, total: mass >= (top_p * total)[:, None], floor=kth)
     return jnp.maximum(kth, pth)
+
+
+def _dispatch(impl, pallas, reference, *args):
+    if impl == "auto":
+        return lax.platform_dependent(*args, cuda=pallas, default=reference)
+    if impl == "pallas":
+        return pallas(*args)
+    if impl == "reference":
+        return reference(*args)
+    raise ValueError(f"unknown impl {impl!r}; use 'auto', 'pallas' or 'reference'")
+
+
+def _check_tiling(chunk, segment, bits=4):
+    if not (is_power_of_two(chunk) and is_power_of_two(segment) and segment >= chunk) or bits not in (1, 2, 4):
+        # 8 bits: 255 accumulators per thread would spill
+        raise ValueError(f"chunk and segment must be powers of two with segment >= chunk, and bits one of 1, 2, 4; "
+                         f"got {chunk}, {segment} and {bits}")
 
 
 def filter_threshold(logits, top_k, top_p, *, impl="auto", chunk=1024, segment=8192, bits=4, interpret=False):
@@ -174,15 +217,37 @@ def filter_threshold(logits, top_k, top_p, *, impl="auto", chunk=1024, segment=8
     logits per program (a power-of-two multiple of chunk); bits: key bits decided per pass (1, 2 or 4): fewer
     passes against more candidates per logit.
     """
-    if not (is_power_of_two(chunk) and is_power_of_two(segment) and segment >= chunk) or bits not in (1, 2, 4):
-        # 8 bits: 255 accumulators per thread would spill
-        raise ValueError(f"chunk and segment must be powers of two with segment >= chunk, and bits one of 1, 2, 4; "
-                         f"got {chunk}, {segment} and {bits}")
-    pallas = functools.partial(_filter_threshold_pallas, chunk=chunk, segment=segment, bits=bits, interpret=interpret)
-    if impl == "auto":
-        return lax.platform_dependent(logits, top_k, top_p, cuda=pallas, default=filter_threshold_reference)
-    if impl == "pallas":
-        return pallas(logits, top_k, top_p)
-    if impl == "reference":
-        return filter_threshold_reference(logits, top_k, top_p)
-    raise ValueError(f"unknown filter impl {impl!r}; use 'auto', 'pallas' or 'reference'")
+    _check_tiling(chunk, segment, bits)
+    pallas = functools.partial(_in_row_blocks, functools.partial(
+        _filter_threshold_pallas, chunk=chunk, segment=segment, bits=bits, interpret=interpret), segment=segment)
+    return _dispatch(impl, pallas, filter_threshold_reference, logits, top_k, top_p)
+
+
+def kept_mass_reference(logits, threshold, shift, allowed=None):
+    """logits [N, V], threshold u32[N], shift f32[N], allowed bool[V] or None -> f32[N] (XLA's sum)."""
+    x = logits.astype(jnp.float32)
+    kept = order_keys(x) >= threshold[:, None]
+    if allowed is not None:
+        kept = kept & allowed
+    return jnp.sum(jnp.where(kept, jnp.exp(x - shift[:, None]), 0.0), axis=-1)
+
+
+def kept_mass(logits, threshold, shift, allowed=None, *, impl="auto", chunk=1024, segment=8192, interpret=False):
+    """logits [N, V] (float32 or bfloat16), threshold u32[N] keys, shift f32[N], allowed bool[V] or None -> f32[N]:
+    each row's sum of exp(logit - shift) over the logits it keeps (key >= threshold, and allowed): the denominator
+    of a softmax over what the filters keep.
+
+    On the GPU ("auto") the kernel of the filters' top-p passes sums it, each row's terms added in an order fixed
+    by the vocabulary alone. XLA's reduction does not promise that (with it, the sampler's batch-invariance tests
+    failed on the H200), and a confidence that moves with the batch can move a request's commits. Elsewhere XLA
+    sums it. chunk, segment: as filter_threshold's.
+    """
+    _check_tiling(chunk, segment)
+    tiling = dict(chunk=chunk, segment=segment, interpret=interpret)
+
+    def pallas(logits, threshold, shift):
+        return _segment_sums(logits, jnp.ones_like(threshold, bool), shift, threshold[:, None], weighted=True,
+                             allowed=allowed, **tiling)[:, 0]
+
+    return _dispatch(impl, functools.partial(_in_row_blocks, pallas, segment=segment),
+                     functools.partial(kept_mass_reference, allowed=allowed), logits, threshold, shift)

@@ -1,5 +1,6 @@
-"""The top-k / top-p thresholds: the Pallas kernel (interpret mode) and the sorting reference against a float64
-definition, over ties, masked ids, vocabularies that end mid-chunk and every search width."""
+"""The top-k / top-p thresholds and the mass of what they keep: the Pallas kernels (interpret mode) and the XLA
+references against a float64 definition, over ties, masked ids, vocabularies that end mid-chunk and every search
+width."""
 
 import functools
 
@@ -10,7 +11,7 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
 from jaxllm.kernels import top_k_top_p
-from jaxllm.kernels.top_k_top_p import filter_threshold, order_keys
+from jaxllm.kernels.top_k_top_p import filter_threshold, kept_mass, order_keys
 
 
 def _kept(thresholds, logits, top_k, top_p):
@@ -92,7 +93,7 @@ def test_top_p_of_one_keeps_the_whole_distribution(kwargs):
 def test_auto_runs_the_sort_off_the_gpu_and_the_kernel_on_it():
     logits = jax.ShapeDtypeStruct((64, 157184), jnp.float32)
     settings = (jax.ShapeDtypeStruct((64,), jnp.int32), jax.ShapeDtypeStruct((64,), jnp.float32))
-    here = jax.jit(filter_threshold).trace(logits, *settings).lower().as_text()
+    here = jax.jit(filter_threshold).trace(logits, *settings).lower(lowering_platforms=("cpu",)).as_text()
     assert "stablehlo.sort" in here and "triton" not in here
     mesh = AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu",
                                                                num_cores=132))
@@ -129,7 +130,8 @@ def test_more_logits_than_int32_offsets_reach_run_as_blocks_of_rows(monkeypatch)
 
     logits = jax.ShapeDtypeStruct((16384, 157184), jnp.float32)  # 2.6e9 logits, 13662 rows per call
     settings = (jax.ShapeDtypeStruct((16384,), jnp.int32), jax.ShapeDtypeStruct((16384,), jnp.float32))
-    assert "stablehlo.sort" in jax.jit(filter_threshold).trace(logits, *settings).lower().as_text()
+    assert "stablehlo.sort" in jax.jit(filter_threshold).trace(logits, *settings).lower(
+        lowering_platforms=("cpu",)).as_text()
     mesh = AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu",
                                                                num_cores=132))
     with jax.sharding.use_abstract_mesh(mesh):
@@ -157,3 +159,44 @@ def test_rejects_bad_settings():
         filter_threshold(logits, top_k, top_p, bits=8)
     with pytest.raises(ValueError, match="impl"):
         filter_threshold(logits, top_k, top_p, impl="cuda")
+
+
+KEPT_MASS_IMPLS = [dict(impl="reference"), dict(impl="pallas", interpret=True, chunk=64, segment=128)]
+
+
+@pytest.mark.parametrize("kwargs", KEPT_MASS_IMPLS, ids=["reference", "pallas"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("vocab", [128, 300, 1000])
+def test_kept_mass_sums_the_exponentials_of_what_a_row_keeps(kwargs, dtype, vocab):
+    """Per row: the sum of exp(logit - shift) over the logits at or above its threshold and allowed, against float64;
+    rows with no threshold (0), with -inf logits, a shift at the maximum and one below it (terms above 1)."""
+    rng = np.random.default_rng(vocab)
+    logits = np.array(jnp.asarray(rng.normal(size=(5, vocab)) * 3, dtype).astype(jnp.float32))
+    logits[2, ::5] = -np.inf
+    allowed = rng.random(vocab) < 0.8
+    kth = np.sort(logits, axis=1)[:, ::-1][np.arange(5), [0, 3, 20, vocab // 2, vocab - 1]]
+    threshold = np.array(order_keys(jnp.asarray(kth)))
+    threshold[1] = 0
+    shift = logits.max(axis=1)
+    shift[3] = np.median(logits[3])
+    mass = jax.jit(functools.partial(kept_mass, **kwargs))
+    for mask in (None, allowed):
+        got = np.asarray(mass(jnp.asarray(logits, dtype), jnp.asarray(threshold), jnp.asarray(shift, jnp.float32),
+                              None if mask is None else jnp.asarray(mask)))
+        keep = (logits >= np.where(threshold == 0, -np.inf, kth)[:, None]) & (True if mask is None else mask)
+        expected = np.where(keep, np.exp(logits.astype(np.float64) - shift[:, None]), 0.0).sum(axis=1)
+        np.testing.assert_allclose(got, expected, rtol=2e-6, err_msg=f"allowed={mask is not None}")
+
+
+def test_kept_mass_of_a_row_does_not_depend_on_its_batch():
+    """The segments' sums are added in one order whatever the number of rows: a request's confidences, and the
+    commits they decide, must not change with the requests batched beside it."""
+    rng = np.random.default_rng(3)
+    logits = jnp.asarray(rng.normal(size=(6, 1000)) * 4, jnp.float32)
+    threshold = jnp.asarray([0, 0, 3_000_000_000, 0, 3_200_000_000, 0], jnp.uint32)
+    shift = jnp.max(logits, axis=1) - jnp.asarray([0.0, 1.0, 0.0, 2.5, 0.0, 0.0])
+    mass = jax.jit(functools.partial(kept_mass, impl="pallas", interpret=True, chunk=64, segment=256))
+    together = np.asarray(mass(logits, threshold, shift))
+    for row in range(6):
+        alone = mass(logits[row:row + 1], threshold[row:row + 1], shift[row:row + 1])
+        assert np.asarray(alone)[0] == together[row], f"row {row}"
