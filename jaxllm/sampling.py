@@ -43,21 +43,22 @@ class SamplingParams:
             raise ValueError(f"seed must lie in [0, 2**32), got {self.seed}")
 
 
-def _probability_of(logits, candidates, threshold, allowed=None):
-    """softmax over each row's kept logits (order key >= threshold, and allowed), at its candidate, as
-    1 / sum(exp(kept - chosen)): no separate max pass, and for an argmax the formula of PyTorch's softmax maximum
-    (exp(0) = 1 over the sum). A candidate ~88 below the maximum overflows the sum to inf: probability 0. The sum
-    is `kept_mass`'s, whose terms are added in the same order in any batch and either branch of propose."""
-    batch, window, vocab = logits.shape
-    chosen = jnp.take_along_axis(logits, candidates[..., None], axis=-1).astype(jnp.float32)
-    mass = kept_mass(logits.reshape(-1, vocab), threshold.reshape(-1), chosen.reshape(-1), allowed)
-    return 1.0 / mass.reshape(batch, window)
-
-
 def _masked(logits, allowed):
     """float32 logits, -inf where a token may not be proposed (allowed bool[V] or None: all may)."""
     logits = logits.astype(jnp.float32)
     return logits if allowed is None else jnp.where(allowed, logits, -jnp.inf)
+
+
+def _probability_of(logits, candidates, threshold, allowed=None):
+    """softmax over each row's kept logits (order key >= threshold, and allowed), at its candidate, as
+    1 / sum(exp(kept - chosen)): no separate max pass, and for an argmax the formula of PyTorch's softmax maximum
+    (exp(0) = 1 over the sum). A candidate ~88 below the maximum overflows the sum to inf: probability 0; a row
+    with nothing allowed above -inf gets NaN. The sum is `kept_mass`'s, whose terms are added in the same order in
+    any batch, from bf16 logits and a mask (the greedy branch) as from their masked float32 copy (the other)."""
+    batch, window, vocab = logits.shape
+    chosen = jnp.take_along_axis(_masked(logits, allowed), candidates[..., None], axis=-1)
+    mass = kept_mass(logits.reshape(-1, vocab), threshold.reshape(-1), chosen.reshape(-1), allowed)
+    return 1.0 / mass.reshape(batch, window)
 
 
 def _greedy_proposals(logits, allowed):
@@ -103,9 +104,9 @@ def propose(logits, seeds, positions, steps, temperature, top_k, top_p, allowed=
     distribution it was drawn from (temperature, top-k and top-p applied; plain softmax when greedy).
 
     A batch of plain greedy requests (the common case) takes a branch of two passes over the logits; any
-    sampling or filtering takes the general branch, which computes a greedy row's candidate and confidence with the
-    same operations, so a request's output does not depend on its batch. The mask is applied inside each branch: a
-    masked copy as the branches' operand would be one more full write and read of the logits.
+    sampling or filtering takes the general branch, which computes a greedy row's candidate and confidence from the
+    same values in the same order, so a request's output does not depend on its batch. The mask is applied inside
+    each branch: a masked copy as the branches' operand would be one more full write and read of the logits.
     """
     plain_greedy = jnp.all((temperature <= 0.0) & (top_k <= 0) & (top_p >= 1.0))
     candidates, confidence = jax.lax.cond(

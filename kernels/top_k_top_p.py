@@ -79,14 +79,25 @@ def _segment_maximum_kernel(logits_ref, maximum_ref, *, chunk, segment):
     maximum_ref[row * pl.num_programs(1) + seg] = jnp.max(lanes)
 
 
+def _sum_in_index_order(lanes):
+    """The sum of a power-of-two vector as a tree over its indices (neighbours added, then neighbouring pairs, ...),
+    so its order does not depend on how Triton spreads the lanes over threads. Written as a split and an add, not
+    as sums over pairs: XLA (interpret mode) merges chained reductions into one of its own order."""
+    while lanes.shape[0] > 1:
+        even, odd = lax.split(lanes.reshape(-1, 2), (1, 1), axis=1)
+        lanes = (even + odd).reshape(-1)
+    return jnp.sum(lanes)  # the one value
+
+
 def _segment_sums_kernel(logits_ref, active_ref, shift_ref, candidates_ref, *refs, chunk, segment, num_candidates,
-                         weighted):
-    """For each candidate key c: the sum over the segment's logits with key >= c (and allowed, where an allowed ref
-    comes before the output) of 1 (a count) or, weighted, exp(logit - shift). One [chunk] accumulator per candidate:
-    a [chunk, candidates] one would make Triton move every step's keys through shared memory, with barriers, to
-    match its layout."""
-    *allowed_ref, sums_ref = refs
-    allowed_ref = allowed_ref[0] if allowed_ref else None
+                         weighted, masked, index_order):
+    """For each candidate key c: the sum over the segment's logits with key >= c (and allowed, when masked: an
+    allowed ref i8[V] before the output) of 1 (a count) or, weighted, exp(logit - shift). One [chunk] accumulator
+    per candidate: a [chunk, candidates] one would make Triton move every step's keys through shared memory, with
+    barriers, to match its layout. Each accumulator's lanes are added by Triton's reduction, in an order that follows
+    the layout Triton picks for the loads (8 bf16 or 4 float32 values per thread), or with index_order by
+    `_sum_in_index_order`, the same for any operand dtypes."""
+    allowed_ref, sums_ref = refs if masked else (None, *refs)
     row, seg = pl.program_id(0), pl.program_id(1)
     candidates = [candidates_ref[row * num_candidates + c] for c in range(num_candidates)]
     shift = shift_ref[row]
@@ -102,7 +113,8 @@ def _segment_sums_kernel(logits_ref, active_ref, shift_ref, candidates_ref, *ref
     steps = active_ref[row] * (segment // chunk)
     sums = lax.fori_loop(0, steps, accumulate, tuple(jnp.zeros((chunk,), jnp.float32) for _ in candidates))
     for c, s in enumerate(sums):
-        sums_ref[(row * pl.num_programs(1) + seg) * num_candidates + c] = jnp.sum(s)
+        sums_ref[(row * pl.num_programs(1) + seg) * num_candidates + c] = (
+            _sum_in_index_order(s) if index_order else jnp.sum(s))
 
 
 def _in_row_blocks(function, logits, *per_row, segment):
@@ -135,7 +147,8 @@ def _segment_call(kernel, out_size, logits, *operands, chunk, segment, interpret
     )(logits, *operands)
 
 
-def _segment_sums(logits, active, shift, candidates, *, weighted, allowed=None, chunk, segment, interpret):
+def _segment_sums(logits, active, shift, candidates, *, weighted, allowed=None, index_order=False, chunk, segment,
+                  interpret):
     """[N, V] logits, active bool[N], shift f32[N], candidates u32[N, C] -> f32[N, C] (see _segment_sums_kernel),
     the segments' sums added one after another: each row's sums depend on that row alone (a reduction's order may
     change with the number of rows), so a request draws the same in any batch."""
@@ -145,8 +158,9 @@ def _segment_sums(logits, active, shift, candidates, *, weighted, allowed=None, 
     if allowed is not None:
         operands.append(allowed.astype(jnp.int8))
     partials = _segment_call(_segment_sums_kernel, num_rows * num_segments * num_candidates, logits, *operands,
-                             num_candidates=num_candidates, weighted=weighted, chunk=chunk, segment=segment,
-                             interpret=interpret).reshape(num_rows, num_segments, num_candidates)
+                             num_candidates=num_candidates, weighted=weighted, masked=allowed is not None,
+                             index_order=index_order, chunk=chunk, segment=segment, interpret=interpret)
+    partials = partials.reshape(num_rows, num_segments, num_candidates)
     return functools.reduce(jnp.add, (partials[:, s] for s in range(num_segments)))
 
 
@@ -201,11 +215,9 @@ def _dispatch(impl, pallas, reference, *args):
     raise ValueError(f"unknown impl {impl!r}; use 'auto', 'pallas' or 'reference'")
 
 
-def _check_tiling(chunk, segment, bits=4):
-    if not (is_power_of_two(chunk) and is_power_of_two(segment) and segment >= chunk) or bits not in (1, 2, 4):
-        # 8 bits: 255 accumulators per thread would spill
-        raise ValueError(f"chunk and segment must be powers of two with segment >= chunk, and bits one of 1, 2, 4; "
-                         f"got {chunk}, {segment} and {bits}")
+def _check_tiling(chunk, segment):
+    if not (is_power_of_two(chunk) and is_power_of_two(segment) and segment >= chunk):
+        raise ValueError(f"chunk and segment must be powers of two with segment >= chunk, got {chunk} and {segment}")
 
 
 def filter_threshold(logits, top_k, top_p, *, impl="auto", chunk=1024, segment=8192, bits=4, interpret=False):
@@ -217,7 +229,9 @@ def filter_threshold(logits, top_k, top_p, *, impl="auto", chunk=1024, segment=8
     logits per program (a power-of-two multiple of chunk); bits: key bits decided per pass (1, 2 or 4): fewer
     passes against more candidates per logit.
     """
-    _check_tiling(chunk, segment, bits)
+    _check_tiling(chunk, segment)
+    if bits not in (1, 2, 4):  # 8 bits: 255 accumulators per thread would spill
+        raise ValueError(f"bits must be one of 1, 2, 4, got {bits}")
     pallas = functools.partial(_in_row_blocks, functools.partial(
         _filter_threshold_pallas, chunk=chunk, segment=segment, bits=bits, interpret=interpret), segment=segment)
     return _dispatch(impl, pallas, filter_threshold_reference, logits, top_k, top_p)
@@ -238,16 +252,20 @@ def kept_mass(logits, threshold, shift, allowed=None, *, impl="auto", chunk=1024
     of a softmax over what the filters keep.
 
     On the GPU ("auto") the kernel of the filters' top-p passes sums it, each row's terms added in an order fixed
-    by the vocabulary alone. XLA's reduction does not promise that (with it, the sampler's batch-invariance tests
-    failed on the H200), and a confidence that moves with the batch can move a request's commits. Elsewhere XLA
-    sums it. chunk, segment: as filter_threshold's.
+    by the vocabulary alone, whatever the batch and whether the logits come as bf16 with a mask or as their masked
+    float32 copy. XLA's reduction promises no order; with XLA summing it the sampler's batch-invariance tests
+    failed on the H200 (inferred to be this sum: the report naming the failing values was lost), and a confidence
+    that moves with the batch can move a request's commits. Elsewhere XLA sums it. chunk, segment: as
+    filter_threshold's.
     """
     _check_tiling(chunk, segment)
     tiling = dict(chunk=chunk, segment=segment, interpret=interpret)
 
-    def pallas(logits, threshold, shift):
+    def pallas(logits, threshold, shift):  # allowed is [V], the same for every block of rows
+        # index order: the sampler's two branches hand over bf16 logits and a mask, or a float32 copy (the filters,
+        # whose operand is always float32, keep Triton's cheaper reduction)
         return _segment_sums(logits, jnp.ones_like(threshold, bool), shift, threshold[:, None], weighted=True,
-                             allowed=allowed, **tiling)[:, 0]
+                             allowed=allowed, index_order=True, **tiling)[:, 0]
 
     return _dispatch(impl, functools.partial(_in_row_blocks, pallas, segment=segment),
                      functools.partial(kept_mass_reference, allowed=allowed), logits, threshold, shift)

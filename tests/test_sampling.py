@@ -101,24 +101,47 @@ def test_a_filtering_request_gets_the_same_proposals_in_any_batch(filters, monke
             np.testing.assert_array_equal(np.asarray(both[b]), np.asarray(one[0]), err_msg=f"request {b}")
 
 
-@pytest.mark.parametrize("neighbour", [dict(temperature=1.0), dict(top_k=50), dict(top_p=0.9)])
-def test_a_greedy_row_gets_the_same_proposal_beside_a_sampling_or_filtering_row(neighbour):
-    """Plain greedy batches take their own branch; a greedy row in a batch that samples or filters must get the same
-    bits (a 32k vocabulary: there the float32 cumulative mass reaches 1 before the tail ends)."""
-    rng = np.random.default_rng(2)
-    vocab = 32768
-    logits = rng.normal(size=(1, 8, vocab)) * 4
-    alone_candidates, alone_confidence = run(logits, [5], 0.0)
+def _beside(logits, neighbour, dtype, allowed):
+    """propose for the rows of logits [1, Q, V] alone (greedy) and as the second row beside a row with the neighbour's
+    settings: the two (candidates, confidence)."""
+    alone = run(logits, [5], 0.0, allowed=allowed, dtype=dtype)
     settings = dict(temperature=[0.0, 0.0], top_k=[-1, -1], top_p=[1.0, 1.0])
     for name, value in neighbour.items():
         settings[name][0] = value
-    logits2 = np.concatenate([rng.normal(size=(1, 8, vocab)), logits])
-    mixed_candidates, mixed_confidence = propose(
-        jnp.asarray(logits2, jnp.float32), jnp.asarray([9, 5], jnp.uint32), jnp.zeros((2, 8), jnp.int32),
-        jnp.zeros((2, 8), jnp.int32), *(jnp.asarray(settings[key], dtype) for key, dtype in
-                                        (("temperature", jnp.float32), ("top_k", jnp.int32), ("top_p", jnp.float32))))
-    assert np.array_equal(np.asarray(mixed_candidates[1]), np.asarray(alone_candidates[0]))
-    assert np.array_equal(np.asarray(mixed_confidence[1]), np.asarray(alone_confidence[0]))
+    window = logits.shape[1]
+    logits2 = np.concatenate([np.random.default_rng(7).normal(size=logits.shape), logits])
+    mixed = propose(
+        jnp.asarray(logits2, dtype), jnp.asarray([9, 5], jnp.uint32), jnp.zeros((2, window), jnp.int32),
+        jnp.zeros((2, window), jnp.int32), *(jnp.asarray(settings[key], kind) for key, kind in
+                                             (("temperature", jnp.float32), ("top_k", jnp.int32),
+                                              ("top_p", jnp.float32))),
+        None if allowed is None else jnp.asarray(allowed))
+    return [np.asarray(a[0]) for a in alone], [np.asarray(m[1]) for m in mixed]
+
+
+@pytest.mark.parametrize("neighbour", [dict(temperature=1.0), dict(top_k=50), dict(top_p=0.9)])
+@pytest.mark.parametrize("dtype, masked", [(jnp.float32, False), (jnp.bfloat16, True)], ids=["f32", "bf16_masked"])
+def test_a_greedy_row_gets_the_same_proposal_beside_a_sampling_or_filtering_row(neighbour, dtype, masked):
+    """Plain greedy batches take their own branch; a greedy row in a batch that samples or filters must get the same
+    bits (a 32k vocabulary: there the float32 cumulative mass reaches 1 before the tail ends), also as the engine
+    calls it: bf16 logits, which the greedy branch reads with the token mask and the other as a masked float32 copy."""
+    vocab = 32768
+    logits = np.random.default_rng(2).normal(size=(1, 8, vocab)) * 4
+    allowed = np.arange(vocab) % 11 != 3 if masked else None
+    (alone_candidates, alone_confidence), (mixed_candidates, mixed_confidence) = _beside(
+        logits, neighbour, dtype, allowed)
+    np.testing.assert_array_equal(mixed_candidates, alone_candidates)
+    np.testing.assert_array_equal(mixed_confidence, alone_confidence)
+
+
+def test_a_row_with_nothing_allowed_above_minus_inf_gets_no_infinite_confidence():
+    """Both branches take such a row's argmax as -inf (its confidence NaN, which clears no threshold), not a
+    disallowed id's finite logit (whose confidence would be inf, and commit first)."""
+    logits = np.full((1, 4, 64), -np.inf)
+    logits[..., :3] = 2.0  # only disallowed ids are finite
+    (_, alone), (_, mixed) = _beside(logits, dict(temperature=1.0), jnp.float32, np.arange(64) >= 3)
+    assert not np.isinf(alone).any()
+    np.testing.assert_array_equal(mixed, alone)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -136,8 +159,9 @@ def test_propose_lowers_for_the_gpu_without_a_sort_or_a_float_sum_in_xla(batch, 
     """XLA:GPU sorts a 157k vocabulary with a library call that cannot join the CUDA graph of the denoising loop's
     body; a sort anywhere in propose splits that graph and costs the host a round trip every forward. Lowered for
     the GPU the filters are Triton kernels (a maximum pass, then 32 / 4 search passes per filter), and so is each
-    branch's sum for the confidences: with XLA's sum there, the two batch-invariance tests above failed on the H200
-    (XLA chooses that reduction's order; the sampler's other reductions are exact or in a fixed order)."""
+    branch's sum for the confidences: with XLA's sum there, the batch-invariance tests above failed on the H200
+    (inferred to be that sum, whose order XLA chooses; the sampler's other reductions are exact or in a fixed
+    order)."""
     mesh = AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu",
                                                                num_cores=132))
     window, vocab = 32, 157184

@@ -161,7 +161,8 @@ def test_rejects_bad_settings():
         filter_threshold(logits, top_k, top_p, impl="cuda")
 
 
-KEPT_MASS_IMPLS = [dict(impl="reference"), dict(impl="pallas", interpret=True, chunk=64, segment=128)]
+ON_GPU = jax.default_backend() == "gpu"
+KEPT_MASS_IMPLS = [dict(impl="reference"), dict(impl="pallas", interpret=not ON_GPU, chunk=64, segment=128)]
 
 
 @pytest.mark.parametrize("kwargs", KEPT_MASS_IMPLS, ids=["reference", "pallas"])
@@ -188,15 +189,36 @@ def test_kept_mass_sums_the_exponentials_of_what_a_row_keeps(kwargs, dtype, voca
         np.testing.assert_allclose(got, expected, rtol=2e-6, err_msg=f"allowed={mask is not None}")
 
 
-def test_kept_mass_of_a_row_does_not_depend_on_its_batch():
-    """The segments' sums are added in one order whatever the number of rows: a request's confidences, and the
-    commits they decide, must not change with the requests batched beside it."""
+def test_kept_mass_of_a_row_is_the_same_in_any_batch_and_from_either_operand(monkeypatch):
+    """A row's sum, bit for bit: alone, in a batch, in blocks of rows (past the kernel's int32 offsets), and from
+    bf16 logits with a mask (the sampler's greedy branch) or from their masked float32 copy (its other branch), whose
+    loads Triton lays out differently: a confidence that moved with any of these could move a request's commits."""
     rng = np.random.default_rng(3)
-    logits = jnp.asarray(rng.normal(size=(6, 1000)) * 4, jnp.float32)
+    vocab = 1000
+    logits = jnp.asarray(rng.normal(size=(6, vocab)) * 4, jnp.bfloat16)
+    allowed = jnp.asarray(rng.random(vocab) < 0.9)
+    masked_f32 = jnp.where(allowed, logits.astype(jnp.float32), -jnp.inf)
     threshold = jnp.asarray([0, 0, 3_000_000_000, 0, 3_200_000_000, 0], jnp.uint32)
-    shift = jnp.max(logits, axis=1) - jnp.asarray([0.0, 1.0, 0.0, 2.5, 0.0, 0.0])
-    mass = jax.jit(functools.partial(kept_mass, impl="pallas", interpret=True, chunk=64, segment=256))
-    together = np.asarray(mass(logits, threshold, shift))
+    shift = jnp.max(masked_f32, axis=1) - jnp.asarray([0.0, 1.0, 0.0, 2.5, 0.0, 0.0])
+    tiling = dict(impl="pallas", interpret=not ON_GPU, chunk=64, segment=256)
+    with_mask = jax.jit(functools.partial(kept_mass, allowed=allowed, **tiling))
+    copy = jax.jit(functools.partial(kept_mass, **tiling))
+    together = np.asarray(with_mask(logits, threshold, shift))
+    np.testing.assert_array_equal(np.asarray(copy(masked_f32, threshold, shift)), together)
     for row in range(6):
-        alone = mass(logits[row:row + 1], threshold[row:row + 1], shift[row:row + 1])
+        alone = with_mask(logits[row:row + 1], threshold[row:row + 1], shift[row:row + 1])
         assert np.asarray(alone)[0] == together[row], f"row {row}"
+    monkeypatch.setattr(top_k_top_p, "_OFFSET_LIMIT", 4 * vocab + 256)  # 4 rows per call: blocks of 4 and 2
+    blocks = jax.jit(functools.partial(kept_mass, allowed=allowed, **tiling))
+    np.testing.assert_array_equal(np.asarray(blocks(logits, threshold, shift)), together)
+
+
+def test_lanes_add_as_a_tree_over_their_indices():
+    """kept_mass adds each accumulator's lanes neighbours first, by index: bit for bit that tree, whatever layout
+    Triton gives the lanes (a plain reduction's order follows the layout, which follows the operands' dtypes)."""
+    lanes = np.random.default_rng(0).lognormal(sigma=3.0, size=1024).astype(np.float32)
+    tree = lanes
+    while len(tree) > 1:
+        tree = tree[0::2] + tree[1::2]
+    assert np.asarray(jax.jit(top_k_top_p._sum_in_index_order)(jnp.asarray(lanes))) == tree[0]
+    assert np.asarray(jax.jit(jnp.sum)(jnp.asarray(lanes))) != tree[0]  # the data tell it from XLA's order
