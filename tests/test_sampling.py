@@ -135,8 +135,8 @@ def test_a_greedy_row_gets_the_same_proposal_beside_a_sampling_or_filtering_row(
 
 
 def test_a_row_with_nothing_allowed_above_minus_inf_gets_no_infinite_confidence():
-    """Both branches take such a row's argmax as -inf (its confidence NaN, which clears no threshold), not a
-    disallowed id's finite logit (whose confidence would be inf, and commit first)."""
+    """Both branches take such a row's argmax as -inf (its confidence NaN), not a disallowed id's finite logit
+    (whose confidence would be inf: the most confident position of its window)."""
     logits = np.full((1, 4, 64), -np.inf)
     logits[..., :3] = 2.0  # only disallowed ids are finite
     (_, alone), (_, mixed) = _beside(logits, dict(temperature=1.0), jnp.float32, np.arange(64) >= 3)
