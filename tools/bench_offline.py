@@ -2,6 +2,7 @@
 
     python -m tools.bench_offline --model DIR --num-prompts 8 --input-len 512 --output-len 64 --batch 8
     python -m tools.bench_offline --arch llada2 --size full --batch 1 8 32   # random weights made on the device
+    python -m tools.bench_offline --arch llada2 --size full --random-weights --qk-norm-scale 3   # routing spread
 
 Reports output tokens/s, forward passes/s, time per forward, and the floor of one forward: the bytes of weights (only
 the experts the batch's tokens touch, for MoE) and KV it must read over the copy bandwidth, and its FLOPs over the
@@ -153,6 +154,20 @@ def measured_touched_experts(llm: LLM, prompts: list[list[int]], outputs: list[l
     return float(np.mean(per_state))
 
 
+def sharpen_attention(llm: LLM, qk_norm_scale: float) -> None:
+    """Multiply the q / k norm weights by qk_norm_scale (attention logits by its square). Random norm weights near
+    one leave attention nearly uniform, so a block's mask tokens, alike but for their positions, reach each router
+    alike and pick much the same experts (full-size LLaDA2 at batch 1: 35 of 256 per layer, where uniform routing, as
+    the issue's floors assume, touches 163); a trained model's attention tells positions apart. At 3: 146."""
+    runner = llm.engine.runner
+    paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(runner.params)[0]]
+    is_qk_norm = ["q_norm" in path or "k_norm" in path for path in paths]
+    if not any(is_qk_norm):
+        raise ValueError(f"{llm.engine.model_config.model_type} has no q / k norms to scale")
+    runner.weights = [weight * qk_norm_scale if scaled else weight
+                      for weight, scaled in zip(runner.weights, is_qk_norm)]
+
+
 def model_dir_for(args, scratch: pathlib.Path) -> pathlib.Path:
     """--model, or a checkpoint made in scratch (a full-size one with weights is 32 GB)."""
     if args.model:
@@ -177,6 +192,9 @@ def main() -> None:
     parser.add_argument("--threshold", type=float)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--quantization", choices=["int8", "fp8"])
+    parser.add_argument("--qk-norm-scale", type=float, default=1.0,
+                        help="multiply the q / k norm weights (e.g. 3 with --random-weights: random weights route a "
+                        "block's tokens to few experts unless attention tells their positions apart)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the sampler's fast path)")
     parser.add_argument("--top-k", type=int, default=-1)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -205,6 +223,8 @@ def main() -> None:
     # one engine: weights made once, a compile per batch size; it reads the checkpoint whole as it starts
     with tempfile.TemporaryDirectory(prefix=f"bench_{args.arch}_") as scratch:
         llm = make_llm(args, model_dir_for(args, pathlib.Path(scratch)), max(args.batch))
+    if args.qk_norm_scale != 1:
+        sharpen_attention(llm, args.qk_norm_scale)
     cfg = llm.engine.model_config
     default_cap = llm.engine.runner.max_steps_per_round
     print(" | ".join(COLUMNS), flush=True)  # rows print as they finish: a run cut short keeps what it measured
@@ -234,7 +254,8 @@ def main() -> None:
                            floor_ms=round(floor["floor_ms"], 3), floor_bound=floor["bound"],
                            gb_per_forward=round(floor["bytes"] / 1e9, 2),
                            floor_ratio=round(result["ms_per_forward"] / floor["floor_ms"], 2),
-                           quantization=args.quantization, **{k: v for k, v in sampling.items() if k != "seed"})
+                           quantization=args.quantization, qk_norm_scale=args.qk_norm_scale,
+                           **{k: v for k, v in sampling.items() if k != "seed"})
             print(" | ".join(str(result[c]) for c in COLUMNS), flush=True)
             if args.json:
                 with open(args.json, "a") as f:

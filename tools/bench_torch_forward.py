@@ -17,12 +17,23 @@ from tools.make_checkpoint import build_config
 from tools.torch_stand_ins import stand_in
 
 
-def torch_model(arch: str):
+def torch_model(arch: str, qk_norm_scale: float = 1.0):
     model_class, config = stand_in(build_config(arch, "full", "bf16"))
     torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda"):
         model = model_class(config)
+    scale_qk_norms(model, qk_norm_scale)
     return model.eval()
+
+
+@torch.no_grad()
+def scale_qk_norms(model, scale: float) -> None:
+    """Multiply the q / k norm weights by scale, as bench_offline's --qk-norm-scale does to jaxllm's."""
+    norms = [weight for name, weight in model.named_parameters() if ".q_norm." in name or ".k_norm." in name]
+    if not norms:
+        raise ValueError(f"{type(model).__name__} has no q / k norms to scale")
+    for weight in norms:
+        weight.mul_(scale)
 
 
 @torch.no_grad()
@@ -58,8 +69,9 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=32)
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--qk-norm-scale", type=float, default=1.0, help="as bench_offline's")
     args = parser.parse_args()
-    model = torch_model(args.arch)
+    model = torch_model(args.arch, args.qk_norm_scale)
     print("arch | batch | torch_ms_per_forward")
     for batch in args.batch:
         print(f"{args.arch} | {batch} | {time_forward(model, batch, args.block, args.context, args.reps):.2f}")

@@ -3,10 +3,12 @@
 import sys
 import tempfile
 
+import jax
+import numpy as np
 import pytest
 
 from jaxllm import LLM, SamplingParams
-from tools.bench_offline import forward_floor, main, measured_touched_experts, median_run, run
+from tools.bench_offline import forward_floor, main, measured_touched_experts, median_run, run, sharpen_attention
 
 BLOCK = 4
 
@@ -26,6 +28,28 @@ def test_touched_experts_are_the_union_of_the_batch_routing(llada2):
     assert moe.num_experts_per_tok < one <= min(moe.num_experts, BLOCK * moe.num_experts_per_tok)
     assert measured_touched_experts(llada2, prompts[:1] * 2, outputs[:1] * 2, seed=0) == one  # same tokens
     assert measured_touched_experts(llada2, prompts, outputs, seed=0) > one  # another prompt adds experts
+
+
+def test_sharpened_attention_scales_only_the_q_and_k_norms_and_changes_the_output(llada2):
+    runner = llada2.engine.runner
+    original = list(runner.weights)
+    prompts = [list(range(5, 13))]
+    greedy = SamplingParams(max_tokens=2 * BLOCK, ignore_eos=True)
+    before = llada2.generate(prompts, greedy)[0].token_ids
+    try:
+        sharpen_attention(llada2, 3.0)
+        sharpened = llada2.generate(prompts, greedy)[0].token_ids
+        scaled = {"q_norm": 0, "k_norm": 0, "other": 0}
+        for (path, _), old, new in zip(jax.tree_util.tree_flatten_with_path(runner.params)[0], original,
+                                       runner.weights):
+            name = next((n for n in ("q_norm", "k_norm") if n in jax.tree_util.keystr(path)), "other")
+            np.testing.assert_array_equal(np.asarray(new), np.asarray(old) * (1 if name == "other" else 3.0))
+            scaled[name] += 1
+    finally:
+        runner.weights = original
+    num_layers = llada2.engine.model_config.num_layers
+    assert scaled["q_norm"] == scaled["k_norm"] == num_layers and scaled["other"] > 0
+    assert sharpened != before
 
 
 def test_touched_experts_of_an_output_shorter_than_a_block(llada2):
