@@ -30,9 +30,10 @@ Pallas path, all on device with static shapes:
      gate and up columns (tile_expert[r]; every-token, expert r if chosen) -> act[R*bm, I] = silu(gate) * up;
   3. down kernel, grid (R, H/bn): act rows @ that expert's w_down -> out_rows[R*bm, H];
   4. out[t] = sum_c w[t,c] * out_rows[row of (t, c)] (a gather and a sum over C).
-A shared expert (`shared=`, every token at weight 1) of the experts' width rides along as one more row tile of
-every token, the grid's first (so its programs start in the first wave), when the groups are every-token and the
-weights plain; elsewhere XLA computes it and adds it.
+A shared expert (`shared=`, every token at weight 1) of the experts' width rides along as S = ceil(T / bm) more
+row tiles holding the tokens in order, the grid's first (so their programs start in the first wave), when the
+weights are plain and T is at most a decode batch (_SHARED_IN_KERNELS_MAX_TOKENS); elsewhere XLA computes it and adds
+it.
 Row tiles that hold no rows (past the last group; an untouched expert's, every-token) have tile_expert = -1 and
 return at once, so empty experts and unused padding cost no weight reads: a batch touches only its experts'
 weights, once per row tile.
@@ -338,6 +339,10 @@ _COMPARE_MAX_ASSIGNMENTS = 2048
 # the groups are only which experts are touched: one small kernel where the comparisons take ~5 per layer. The rows
 # of a touched expert's tile that no assignment reads cost tensor-core work only: its weights are read once either way.
 _EVERY_TOKEN_MAX_TOKENS = 32
+# Up to this many tokens (batch 8 of 32-token windows) a shared expert of plain weights runs in the experts' kernels,
+# its ceil(T / bm) row tiles re-reading its weights from L2 where XLA took three kernels of its own (315 us per
+# LLaDA2 forward at batch 8 on the H200, engine run 16). Prefill-sized batches keep XLA's GEMMs: unmeasured there.
+_SHARED_IN_KERNELS_MAX_TOKENS = 256
 
 
 def _group_by_expert(expert_ids, num_experts, block_m, method="auto"):
@@ -486,14 +491,14 @@ def _split_scale_refs(refs, has_row_scale, has_col_scale):
     return row_scale_ref, w_ref, col_scale_ref, out_ref
 
 
-def _routed_expert(experts_ref, row_tile, every_token, has_shared):
+def _routed_expert(experts_ref, row_tile, every_token, num_shared_tiles):
     """The routed expert of this program's row tile, -1 for none. experts_ref is tile_expert i32[R] (-1 past the
     last group), or with every_token the chosen experts i32[A]: tile e is expert e's if some assignment chose e. A
-    shared expert (every-token groups only) takes the first tile, so that its programs start in the first wave
-    instead of trailing the grid; the routed tiles follow it."""
+    shared expert takes the first num_shared_tiles tiles, so that its programs start in the first wave instead of
+    trailing the grid; the routed tiles follow them."""
+    routed_tile = row_tile - num_shared_tiles
     if not every_token:
-        return experts_ref[row_tile]
-    routed_tile = row_tile - 1 if has_shared else row_tile
+        return jnp.where(routed_tile >= 0, experts_ref[jnp.maximum(routed_tile, 0)], -1)
     num_assignments = experts_ref.shape[0]
     lanes = lax.iota(jnp.int32, 1 << max(num_assignments - 1, 0).bit_length())  # a power of 2 for Triton
     chosen = experts_ref[jnp.minimum(lanes, num_assignments - 1)]
@@ -502,16 +507,16 @@ def _routed_expert(experts_ref, row_tile, every_token, has_shared):
 
 
 def _gate_up_kernel(experts_ref, row_token_ref, x_ref, *refs, block_m, tiles, inter, has_x_scale, has_w_scale,
-                    has_shared, channel_major, every_token, interpret):
+                    num_shared_tiles, channel_major, every_token, interpret):
     # tile_expert i32[R] (or with every_token the chosen experts i32[A]), row_token i32[(S+R)*bm], x [T, H],
-    # (x_scale f32[T]), w [E, H, 2I] or channel-major [E, 2I, H], (w_scale f32[E, 2I]), (shared [1, H, 2I]: S = 1
-    # row tile of every token before the routed ones)
+    # (x_scale f32[T]), w [E, H, 2I] or channel-major [E, 2I, H], (w_scale f32[E, 2I]), (shared [1, H, 2I]: S row
+    # tiles of the tokens in order before the routed ones)
     # -> act [(S+R)*bm, I]; this program: rows [r*bm, (r+1)*bm) x act columns [j*bn, (j+1)*bn)
     refs = list(refs)
-    shared_ref = refs.pop(-2) if has_shared else None
+    shared_ref = refs.pop(-2) if num_shared_tiles else None
     x_scale_ref, w_ref, w_scale_ref, act_ref = _split_scale_refs(refs, has_x_scale, has_w_scale)
     row_tile, col_tile = pl.program_id(0), pl.program_id(1)
-    expert = _routed_expert(experts_ref, row_tile, every_token, has_shared)
+    expert = _routed_expert(experts_ref, row_tile, every_token, num_shared_tiles)
 
     def tile(w_ref, expert, w_scale_ref, channel_major):
         rows = pl.ds(row_tile * block_m, block_m)
@@ -542,19 +547,19 @@ def _gate_up_kernel(experts_ref, row_token_ref, x_ref, *refs, block_m, tiles, in
 
     pl.when(expert >= 0)(lambda: tile(w_ref, expert, w_scale_ref, channel_major))
     if shared_ref is not None:
-        pl.when(row_tile == 0)(lambda: tile(shared_ref, 0, None, False))
+        pl.when(row_tile < num_shared_tiles)(lambda: tile(shared_ref, 0, None, False))
 
 
-def _down_kernel(experts_ref, act_ref, *refs, block_m, tiles, has_act_scale, has_w_scale, has_shared,
+def _down_kernel(experts_ref, act_ref, *refs, block_m, tiles, has_act_scale, has_w_scale, num_shared_tiles,
                  channel_major, every_token, interpret):
     # tile_expert i32[R] (or with every_token the chosen experts i32[A]), act [(S+R)*bm, I], (act_scale
     # f32[R*bm], never with a shared tile), w [E, I, H] or channel-major [E, H, I], (w_scale f32[E, H]),
     # (shared [1, I, H]) -> out [(S+R)*bm, H]
     refs = list(refs)
-    shared_ref = refs.pop(-2) if has_shared else None
+    shared_ref = refs.pop(-2) if num_shared_tiles else None
     act_scale_ref, w_ref, w_scale_ref, out_ref = _split_scale_refs(refs, has_act_scale, has_w_scale)
     row_tile, col_tile = pl.program_id(0), pl.program_id(1)
-    expert = _routed_expert(experts_ref, row_tile, every_token, has_shared)
+    expert = _routed_expert(experts_ref, row_tile, every_token, num_shared_tiles)
 
     def tile(w_ref, expert, w_scale_ref, channel_major):
         rows = pl.ds(row_tile * block_m, block_m)
@@ -577,7 +582,7 @@ def _down_kernel(experts_ref, act_ref, *refs, block_m, tiles, has_act_scale, has
 
     pl.when(expert >= 0)(lambda: tile(w_ref, expert, w_scale_ref, channel_major))
     if shared_ref is not None:
-        pl.when(row_tile == 0)(lambda: tile(shared_ref, 0, None, False))
+        pl.when(row_tile < num_shared_tiles)(lambda: tile(shared_ref, 0, None, False))
 
 
 def _compiler_params(gemm):
@@ -593,16 +598,22 @@ def _scaled_operands(row_scale, w_values, w_scales) -> list:
     return [x for x in (row_scale, w_values, w_scales) if x is not None]
 
 
+def _num_shared_tiles(num_tokens, block_m):
+    return -(-num_tokens // block_m)
+
+
 def _gate_up(groups, x, x_scale, w_values, w_scales, channel_major, *, act_dtype, tiles, interpret, shared=None):
     """[(S+R)*bm, I] = silu(x[rows] @ Wg[e]) * (x[rows] @ Wu[e]) per row tile; a None scale is 1. A shared expert's
-    weights [H, 2I] add one row tile of every token first (every-token groups only: their first tile's rows)."""
+    weights [H, 2I] add S row tiles first, holding the tokens in order (padding rows read token 0)."""
     row_token = groups.row_token
-    if shared is not None:
-        row_token = jnp.concatenate([row_token[:tiles.block_m], row_token])  # constants: folded when compiling
+    num_shared_tiles = 0 if shared is None else _num_shared_tiles(x.shape[0], tiles.block_m)
+    if num_shared_tiles:
+        shared_rows = jnp.arange(num_shared_tiles * tiles.block_m, dtype=jnp.int32)
+        row_token = jnp.concatenate([jnp.where(shared_rows < x.shape[0], shared_rows, 0), row_token])
     inter = w_values.shape[1 if channel_major else 2] // 2
     kernel = functools.partial(_gate_up_kernel, block_m=tiles.block_m, tiles=tiles.gate_up, inter=inter,
                                has_x_scale=x_scale is not None, has_w_scale=w_scales is not None,
-                               has_shared=shared is not None, channel_major=channel_major,
+                               num_shared_tiles=num_shared_tiles, channel_major=channel_major,
                                every_token=groups.expert_ids is not None, interpret=interpret)
     return pl.pallas_call(
         kernel,
@@ -615,13 +626,15 @@ def _gate_up(groups, x, x_scale, w_values, w_scales, channel_major, *, act_dtype
       *([] if shared is None else [shared[None]]))
 
 
-def _down(groups, act, act_scale, w_values, w_scales, channel_major, *, out_dtype, tiles, interpret, shared=None):
+def _down(groups, act, act_scale, w_values, w_scales, channel_major, *, out_dtype, tiles, interpret, shared=None,
+          num_tokens):
     """[(S+R)*bm, H] = act[rows] @ Wd[e] per row tile; a None scale is 1. A shared expert's weights [I, H] take the
-    first row tile (see _gate_up)."""
+    first S row tiles (see _gate_up)."""
     num_rows, hidden = act.shape[0], w_values.shape[1 if channel_major else 2]
+    num_shared_tiles = 0 if shared is None else _num_shared_tiles(num_tokens, tiles.block_m)
     kernel = functools.partial(_down_kernel, block_m=tiles.block_m, tiles=tiles.down,
                                has_act_scale=act_scale is not None, has_w_scale=w_scales is not None,
-                               has_shared=shared is not None, channel_major=channel_major,
+                               num_shared_tiles=num_shared_tiles, channel_major=channel_major,
                                every_token=groups.expert_ids is not None, interpret=interpret)
     return pl.pallas_call(
         kernel,
@@ -652,9 +665,9 @@ def _moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, *, fp8
         tiles = default_tiles(num_tokens, expert_ids.shape[1], num_experts, hidden, two_inter // 2, weights)
     _check_tiles(tiles, hidden, two_inter // 2)
     groups = _group_by_expert(expert_ids, num_experts, tiles.block_m)
-    # every-token groups of plain weights take a shared expert of the experts' width as one more row tile: its
-    # weights stream beside the routed ones instead of in two XLA GEMMs, a SiLU-multiply and an add of their own
-    in_kernels = (shared is not None and groups.expert_ids is not None and not fp8_activations
+    # plain weights take a shared expert of the experts' width as more row tiles: its weights stream beside the
+    # routed ones instead of in two XLA GEMMs, a SiLU-multiply and an add of their own
+    in_kernels = (shared is not None and num_tokens <= _SHARED_IN_KERNELS_MAX_TOKENS and not fp8_activations
                   and not any(isinstance(w, QuantizedWeight) for w in (w_gate_up, w_down))
                   and shared[1].shape[0] == two_inter // 2)
     shared_gate_up, shared_down = shared if in_kernels else (None, None)
@@ -670,9 +683,9 @@ def _moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, *, fp8
     else:
         act_scale = None
     out_rows = _down(groups, act, act_scale, *_values_and_scales(w_down), out_dtype=x.dtype, tiles=tiles,
-                     interpret=interpret, shared=shared_down)  # [(S+R)*bm, H]
+                     interpret=interpret, shared=shared_down, num_tokens=num_tokens)  # [(S+R)*bm, H]
 
-    first_routed_row = tiles.block_m if in_kernels else 0
+    first_routed_row = _num_shared_tiles(num_tokens, tiles.block_m) * tiles.block_m if in_kernels else 0
     routed = out_rows[first_routed_row + groups.assignment_row].astype(jnp.float32)  # [T, C, H]
     out = jnp.sum(routed * expert_weights.astype(jnp.float32)[..., None], axis=1)
     if in_kernels:
@@ -717,8 +730,8 @@ def moe_experts(x, expert_ids, expert_weights, w_gate_up, w_down, *, impl="auto"
         channel-major, `quantize(w, mode, channel_major=True)` (see `_weight_on_left`).
       tiles: a MoeTiles for the Pallas kernels; None picks `default_tiles` by shape.
       shared: (w_gate_up [H, 2I'], w_down [I', H]) plain weights of a shared expert, or None. The Pallas path runs
-        it in its kernels where the groups are every-token and the routed weights plain, and I' = I; elsewhere (and
-        in the reference) it is computed in XLA (`_plus_shared`) and added to the routed output in float32.
+        it in its kernels up to _SHARED_IN_KERNELS_MAX_TOKENS tokens of plain routed weights with I' = I; elsewhere
+        (and in the reference) it is computed in XLA (`_plus_shared`) and added to the routed output in float32.
     """
     _check_inputs(x, expert_ids, expert_weights, w_gate_up, w_down, fp8_activations, shared)
     impl = _default_impl(x.shape[1], w_gate_up.shape[2] // 2) if impl == "auto" else impl

@@ -231,7 +231,8 @@ def test_pallas_matches_reference(name):
 
 
 # Every-token cases leave experts untouched and choose some only once (one token; the id bounds), so a tile that skips
-# a chosen expert or runs an unchosen one fails; several column and k tiles move the shared tile's offsets.
+# a chosen expert or runs an unchosen one fails; several column and k tiles move the shared tile's offsets. Grouped
+# cases take ceil(T / bm) shared tiles, the last one partly padding or (48 tokens, 16-row tiles) full.
 MULTI_TILE = MoeTiles(32, gate_up=GemmTiles(32, 32, 4, 2), down=GemmTiles(32, 32, 4, 2))
 SHARED_CASES = {  # name: (tokens, top_k, experts, routing, x dtype, routed weight mode, shared width / expert width,
     #                      tiles, in the kernels)
@@ -240,16 +241,20 @@ SHARED_CASES = {  # name: (tokens, top_k, experts, routing, x dtype, routed weig
     "one_token_f32": (1, 4, 16, "random", jnp.float32, None, 1, None, True),
     "id_bounds_f32": (6, 2, 16, "ends", jnp.float32, None, 1, None, True),
     "several_tiles_f32": (20, 2, 16, "random", jnp.float32, None, 1, MULTI_TILE, True),
-    "compare_grouping_f32": (40, 4, 8, "random", jnp.float32, None, 1, SMALL_TILES, False),
+    "compare_grouping_f32": (40, 4, 8, "random", jnp.float32, None, 1, SMALL_TILES, True),
+    "compare_grouping_whole_tiles_bf16": (48, 2, 16, "random", jnp.bfloat16, None, 1, SMALL_TILES, True),
+    "compare_grouping_several_tiles_f32": (40, 2, 16, "random", jnp.float32, None, 1, MULTI_TILE, True),
+    "beyond_a_decode_batch_f32": (257, 2, 8, "random", jnp.float32, None, 1, SMALL_TILES, False),
     "int8_routed_bf16": (20, 4, 8, "random", jnp.bfloat16, "int8_channel_major", 1, None, False),
     "wider_shared_f32": (20, 4, 8, "random", jnp.float32, None, 2, None, False),
 }
 
 
 @pytest.mark.parametrize("name", list(SHARED_CASES))
-def test_a_shared_expert_runs_in_the_every_token_kernels_or_in_xla(name):
-    """Every-token groups of plain weights run a shared expert of the experts' width as one more row tile of their
-    kernels (no GEMM of its own in XLA); elsewhere XLA computes it. Either way: routed + shared, as the reference."""
+def test_a_shared_expert_runs_in_the_kernels_or_in_xla(name):
+    """Up to a decode batch of tokens, plain weights run a shared expert of the experts' width as more row tiles of
+    their kernels (no GEMM of its own in XLA); elsewhere XLA computes it. Either way: routed + shared, as the
+    reference."""
     num_tokens, top_k, num_experts, pattern, dtype, mode, width, tiles, in_kernels = SHARED_CASES[name]
     rng = np.random.default_rng(zlib.crc32(name.encode()))
     x, ids, weights, w_gate_up, w_down = _case_arrays(rng, num_tokens, top_k, num_experts, pattern)
@@ -409,13 +414,13 @@ def test_full_size_layer_lowers_to_triton_for_cuda(num_tokens):
                 jax.ShapeDtypeStruct((num_tokens, top_k), jnp.float32),
                 _weight_struct((experts, hidden, 2 * inter), mode, channel_major),
                 _weight_struct((experts, inter, hidden), mode, channel_major),
-                # a shared expert: in the kernels at 32 tokens of plain weights, in XLA otherwise
+                # a shared expert: in the kernels up to 256 tokens of plain weights, in XLA otherwise
                 jax.ShapeDtypeStruct((hidden, 2 * inter), jnp.bfloat16), jax.ShapeDtypeStruct((inter, hidden),
                                                                                              jnp.bfloat16))
         with jax.sharding.use_abstract_mesh(mesh):
             text = run.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("__gpu$xla.gpu.triton") == 2, (mode, fp8_activations, channel_major)
-        in_kernels = num_tokens <= 32 and mode == "bf16"  # every-token groups of plain weights
+        in_kernels = num_tokens <= 256 and mode == "bf16" and not fp8_activations
         assert text.count("stablehlo.dot_general") == (0 if in_kernels else 2), (mode, num_tokens)
         assert ("stablehlo.sort" in text) == (num_tokens * top_k > _COMPARE_MAX_ASSIGNMENTS)
 
@@ -490,10 +495,10 @@ def test_e4m3_upcast_is_exact_for_every_byte():
 @gpu
 @requires_gpu
 @pytest.mark.parametrize("mode", [None, "int8", "fp8", "int8_channel_major", "fp8_channel_major"])
-@pytest.mark.parametrize("num_tokens", [32, 2048, 8192])
+@pytest.mark.parametrize("num_tokens", [32, 256, 2048, 8192])
 def test_full_size_layer_on_gpu(mode, num_tokens):
-    """LLaDA2.0-mini layer with its real router, its shared expert (in the kernels at 32 tokens of bf16 experts) and
-    the default tiles (one token count per tiling regime)."""
+    """LLaDA2.0-mini layer with its real router, its shared expert (in the kernels up to 256 tokens of bf16 experts)
+    and the default tiles (one token count per tiling regime; 256: grouped, with the shared expert's row tiles)."""
     experts, hidden, inter = 256, 2048, 512
     keys = jax.random.split(jax.random.key(num_tokens), 6)
     x = jax.random.normal(keys[0], (num_tokens, hidden), jnp.bfloat16)
