@@ -26,14 +26,14 @@ Pallas path, all on device with static shapes:
      tokens fit one row tile (decode batches of one window) nothing is sorted: each touched expert's tile holds
      every token, and the rows no assignment reads are computed and never read; the kernels then find whether
      their tile's expert was chosen from the assignments themselves;
-  2. gate_up kernel, grid (R, I/bn): row tile r gathers its tokens' rows of x and multiplies them by its expert's
-     gate and up columns (tile_expert[r]; every-token, expert r if chosen) -> act[R*bm, I] = silu(gate) * up;
-  3. down kernel, grid (R, H/bn): act rows @ that expert's w_down -> out_rows[R*bm, H];
-  4. out[t] = sum_c w[t,c] * out_rows[row of (t, c)] (a gather and a sum over C).
-A shared expert (`shared=`, every token at weight 1) of the experts' width rides along as S = ceil(T / bm) more
-row tiles holding the tokens in order, the grid's first (so their programs start in the first wave), when the
-weights are plain and T is at most a decode batch (_SHARED_IN_KERNELS_MAX_TOKENS); elsewhere XLA computes it and adds
-it.
+  2. gate_up kernel, grid (S+R, I/bn): row tile r gathers its tokens' rows of x and multiplies them by its expert's
+     gate and up columns (tile_expert[r - S]; every-token, expert r - S if chosen) -> act[(S+R)*bm, I] =
+     silu(gate) * up;
+  3. down kernel, grid (S+R, H/bn): act rows @ that expert's w_down -> out_rows[(S+R)*bm, H];
+  4. out[t] = sum_c w[t,c] * out_rows[S*bm + row of (t, c)] (a gather and a sum over C), plus out_rows[t].
+S is 0, or with a shared expert (`shared=`, every token at weight 1) of the experts' width ceil(T / bm): its row
+tiles hold the tokens in order and come first in the grid (so their programs start in the first wave). That holds
+for plain weights and T up to _SHARED_IN_KERNELS_MAX_TOKENS; elsewhere XLA computes the shared expert and adds it.
 Row tiles that hold no rows (past the last group; an untouched expert's, every-token) have tile_expert = -1 and
 return at once, so empty experts and unused padding cost no weight reads: a batch touches only its experts'
 weights, once per row tile.
@@ -339,9 +339,9 @@ _COMPARE_MAX_ASSIGNMENTS = 2048
 # the groups are only which experts are touched: one small kernel where the comparisons take ~5 per layer. The rows
 # of a touched expert's tile that no assignment reads cost tensor-core work only: its weights are read once either way.
 _EVERY_TOKEN_MAX_TOKENS = 32
-# Up to this many tokens (batch 8 of 32-token windows) a shared expert of plain weights runs in the experts' kernels,
-# its ceil(T / bm) row tiles re-reading its weights from L2 where XLA took three kernels of its own (315 us per
-# LLaDA2 forward at batch 8 on the H200, engine run 16). Prefill-sized batches keep XLA's GEMMs: unmeasured there.
+# Up to this many tokens (batch 8 of 32-token windows) a shared expert of plain weights runs in the experts' kernels
+# as ceil(T / bm) row tiles, each reading its weights, where XLA took three kernels of its own: 12 against 16.5 us
+# per LLaDA2 layer at batch 8 on the H200 (engine run 16). Larger batches keep XLA's GEMMs: unmeasured there.
 _SHARED_IN_KERNELS_MAX_TOKENS = 256
 
 
@@ -503,7 +503,7 @@ def _routed_expert(experts_ref, row_tile, every_token, num_shared_tiles):
     lanes = lax.iota(jnp.int32, 1 << max(num_assignments - 1, 0).bit_length())  # a power of 2 for Triton
     chosen = experts_ref[jnp.minimum(lanes, num_assignments - 1)]
     touched = jnp.max(jnp.where((lanes < num_assignments) & (chosen == routed_tile), 1, 0))
-    return jnp.where(touched > 0, routed_tile, -1)  # the shared tile (-1) matches no choice
+    return jnp.where(touched > 0, routed_tile, -1)  # a shared tile (negative) matches no choice
 
 
 def _gate_up_kernel(experts_ref, row_token_ref, x_ref, *refs, block_m, tiles, inter, has_x_scale, has_w_scale,
@@ -598,15 +598,12 @@ def _scaled_operands(row_scale, w_values, w_scales) -> list:
     return [x for x in (row_scale, w_values, w_scales) if x is not None]
 
 
-def _num_shared_tiles(num_tokens, block_m):
-    return -(-num_tokens // block_m)
-
-
-def _gate_up(groups, x, x_scale, w_values, w_scales, channel_major, *, act_dtype, tiles, interpret, shared=None):
+def _gate_up(groups, x, x_scale, w_values, w_scales, channel_major, *, act_dtype, tiles, interpret, shared=None,
+             num_shared_tiles=0):
     """[(S+R)*bm, I] = silu(x[rows] @ Wg[e]) * (x[rows] @ Wu[e]) per row tile; a None scale is 1. A shared expert's
-    weights [H, 2I] add S row tiles first, holding the tokens in order (padding rows read token 0)."""
+    weights [H, 2I] take the first S = num_shared_tiles row tiles, holding the tokens in order (padding rows read
+    token 0)."""
     row_token = groups.row_token
-    num_shared_tiles = 0 if shared is None else _num_shared_tiles(x.shape[0], tiles.block_m)
     if num_shared_tiles:
         shared_rows = jnp.arange(num_shared_tiles * tiles.block_m, dtype=jnp.int32)
         row_token = jnp.concatenate([jnp.where(shared_rows < x.shape[0], shared_rows, 0), row_token])
@@ -627,11 +624,10 @@ def _gate_up(groups, x, x_scale, w_values, w_scales, channel_major, *, act_dtype
 
 
 def _down(groups, act, act_scale, w_values, w_scales, channel_major, *, out_dtype, tiles, interpret, shared=None,
-          num_tokens):
+          num_shared_tiles=0):
     """[(S+R)*bm, H] = act[rows] @ Wd[e] per row tile; a None scale is 1. A shared expert's weights [I, H] take the
-    first S row tiles (see _gate_up)."""
+    first S = num_shared_tiles row tiles (see _gate_up)."""
     num_rows, hidden = act.shape[0], w_values.shape[1 if channel_major else 2]
-    num_shared_tiles = 0 if shared is None else _num_shared_tiles(num_tokens, tiles.block_m)
     kernel = functools.partial(_down_kernel, block_m=tiles.block_m, tiles=tiles.down,
                                has_act_scale=act_scale is not None, has_w_scale=w_scales is not None,
                                num_shared_tiles=num_shared_tiles, channel_major=channel_major,
@@ -671,22 +667,22 @@ def _moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, *, fp8
                   and not any(isinstance(w, QuantizedWeight) for w in (w_gate_up, w_down))
                   and shared[1].shape[0] == two_inter // 2)
     shared_gate_up, shared_down = shared if in_kernels else (None, None)
+    num_shared_tiles = -(-num_tokens // tiles.block_m) if in_kernels else 0
 
     if fp8_activations:
         x_in, x_scale = quantize_rows(x)
     else:
         x_in, x_scale = x, None
     act = _gate_up(groups, x_in, x_scale, *_values_and_scales(w_gate_up), act_dtype=x.dtype, tiles=tiles,
-                   interpret=interpret, shared=shared_gate_up)  # [(S+R)*bm, I]
+                   interpret=interpret, shared=shared_gate_up, num_shared_tiles=num_shared_tiles)  # [(S+R)*bm, I]
     if fp8_activations:
         act, act_scale = quantize_rows(act)
     else:
         act_scale = None
     out_rows = _down(groups, act, act_scale, *_values_and_scales(w_down), out_dtype=x.dtype, tiles=tiles,
-                     interpret=interpret, shared=shared_down, num_tokens=num_tokens)  # [(S+R)*bm, H]
+                     interpret=interpret, shared=shared_down, num_shared_tiles=num_shared_tiles)  # [(S+R)*bm, H]
 
-    first_routed_row = _num_shared_tiles(num_tokens, tiles.block_m) * tiles.block_m if in_kernels else 0
-    routed = out_rows[first_routed_row + groups.assignment_row].astype(jnp.float32)  # [T, C, H]
+    routed = out_rows[num_shared_tiles * tiles.block_m + groups.assignment_row].astype(jnp.float32)  # [T, C, H]
     out = jnp.sum(routed * expert_weights.astype(jnp.float32)[..., None], axis=1)
     if in_kernels:
         return (out + out_rows[:num_tokens].astype(jnp.float32)).astype(x.dtype)

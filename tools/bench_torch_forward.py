@@ -22,7 +22,8 @@ def torch_model(arch: str, qk_norm_scale: float = 1.0):
     torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda"):
         model = model_class(config)
-    scale_qk_norms(model, qk_norm_scale)
+    if qk_norm_scale != 1:
+        scale_qk_norms(model, qk_norm_scale)
     return model.eval()
 
 

@@ -22,6 +22,7 @@ from jaxllm.kernels.moe import (
     _group_by_expert,
     _num_row_tiles,
     _plus_shared,
+    _routed_expert,
     _upcast,
     default_tiles,
     moe_experts,
@@ -232,7 +233,8 @@ def test_pallas_matches_reference(name):
 
 # Every-token cases leave experts untouched and choose some only once (one token; the id bounds), so a tile that skips
 # a chosen expert or runs an unchosen one fails; several column and k tiles move the shared tile's offsets. Grouped
-# cases take ceil(T / bm) shared tiles, the last one partly padding or (48 tokens, 16-row tiles) full.
+# cases take ceil(T / bm) shared tiles, the last one partly padding or (48 tokens, 16-row tiles) full; 2304
+# assignments are grouped by sorting.
 MULTI_TILE = MoeTiles(32, gate_up=GemmTiles(32, 32, 4, 2), down=GemmTiles(32, 32, 4, 2))
 SHARED_CASES = {  # name: (tokens, top_k, experts, routing, x dtype, routed weight mode, shared width / expert width,
     #                      tiles, in the kernels)
@@ -244,6 +246,7 @@ SHARED_CASES = {  # name: (tokens, top_k, experts, routing, x dtype, routed weig
     "compare_grouping_f32": (40, 4, 8, "random", jnp.float32, None, 1, SMALL_TILES, True),
     "compare_grouping_whole_tiles_bf16": (48, 2, 16, "random", jnp.bfloat16, None, 1, SMALL_TILES, True),
     "compare_grouping_several_tiles_f32": (40, 2, 16, "random", jnp.float32, None, 1, MULTI_TILE, True),
+    "sort_grouping_f32": (256, 9, 16, "random", jnp.float32, None, 1, SMALL_TILES, True),
     "beyond_a_decode_batch_f32": (257, 2, 8, "random", jnp.float32, None, 1, SMALL_TILES, False),
     "int8_routed_bf16": (20, 4, 8, "random", jnp.bfloat16, "int8_channel_major", 1, None, False),
     "wider_shared_f32": (20, 4, 8, "random", jnp.float32, None, 2, None, False),
@@ -279,8 +282,19 @@ def test_a_shared_expert_runs_in_the_kernels_or_in_xla(name):
     assert outside_kernels.count("dot_general") == (0 if in_kernels else 2), outside_kernels
 
 
+def test_shared_tiles_come_first_and_run_no_routed_expert():
+    """The first S row tiles are the shared expert's: no routed expert there (a program would compute one and have
+    its rows overwritten, costing a weight read), then the routed tiles in order, grouped or every-token."""
+    tile_expert = jnp.asarray([3, 5, -1], jnp.int32)
+    grouped = [int(_routed_expert(tile_expert, jnp.int32(row), False, 2)) for row in range(5)]
+    assert grouped == [-1, -1, 3, 5, -1]
+    assert [int(_routed_expert(tile_expert, jnp.int32(row), False, 0)) for row in range(3)] == [3, 5, -1]
+    chosen = jnp.asarray([0, 2, 2], jnp.int32)  # every-token: tile 1 + e is expert e's if some assignment chose e
+    assert [int(_routed_expert(chosen, jnp.int32(row), True, 1)) for row in range(4)] == [-1, 0, -1, 2]
+
+
 def test_xla_shared_expert_rounds_no_more_than_the_kernels_shared_tile():
-    """Where XLA computes the shared expert (quantized experts, more than one window) it keeps float32 GEMM outputs
+    """Where XLA computes the shared expert (quantized experts, more than 256 tokens) it keeps float32 GEMM outputs
     and rounds only the SwiGLU output to bf16, as the kernels' tile does. Rounding the GEMM outputs to bf16 too gave
     0.019 of the rms at LLaDA2's widths (0.0078 now) and failed the quantized full-size test on the H200."""
     hidden, inter = 2048, 512
