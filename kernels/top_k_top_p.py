@@ -253,10 +253,9 @@ def kept_mass(logits, threshold, shift, allowed=None, *, impl="auto", chunk=1024
 
     On the GPU ("auto") the kernel of the filters' top-p passes sums it, each row's terms added in an order fixed
     by the vocabulary alone, whatever the batch and whether the logits come as bf16 with a mask or as their masked
-    float32 copy. XLA's reduction promises no order; with XLA summing it the sampler's batch-invariance tests
-    failed on the H200 (inferred to be this sum: the report naming the failing values was lost), and a confidence
-    that moves with the batch can move a request's commits. Elsewhere XLA sums it. chunk, segment: as
-    filter_threshold's.
+    float32 copy. XLA's reduction promises no order: with XLA summing it the sampler's batch-invariance tests
+    failed on the H200, with this kernel they pass (engine runs 15-16), and a confidence that moves with the batch
+    can move a request's commits. Elsewhere XLA sums it. chunk, segment: as filter_threshold's.
     """
     _check_tiling(chunk, segment)
     tiling = dict(chunk=chunk, segment=segment, interpret=interpret)
