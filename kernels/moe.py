@@ -21,9 +21,9 @@ Either weight may be a `jaxllm.quantization.QuantizedWeight` (int8 or e4m3 value
 fp8 x fp8 on the tensor cores.
 
 Pallas path, all on device with static shapes:
-  1. sort the A assignments by expert and give expert e the padded rows [start_e, start_e + ceil(n_e/bm)*bm);
+  1. group the A assignments by expert and give expert e the padded rows [start_e, start_e + ceil(n_e/bm)*bm);
      the padded total is at most R*bm rows (`_num_row_tiles`), so every array has a static shape. When all T
-     tokens fit one row tile (decode batches of one window) nothing is sorted: each touched expert's tile holds
+     tokens fit one row tile (decode batches of one window) nothing is grouped: each touched expert's tile holds
      every token, and the rows no assignment reads are computed and never read; the kernels then find whether
      their tile's expert was chosen from the assignments themselves;
   2. gate_up kernel, grid (S+R, I/bn): row tile r gathers its tokens' rows of x and multiplies them by its expert's
@@ -333,37 +333,46 @@ class ExpertGroups(NamedTuple):
 
 
 # Up to this many assignments (batch 8 of 32-token windows at top-8) the groups come from pairwise comparisons, whose
-# work grows as A^2 but runs as a few wide elementwise-and-reduce kernels; beyond it from two sorts.
+# work grows as A^2 but runs as a few wide elementwise-and-reduce kernels; beyond it from counts over chunks of
+# _COUNT_CHUNK assignments.
 _COMPARE_MAX_ASSIGNMENTS = 2048
+# Assignments per chunk of count: its [chunks, chunk, E] and [chunks, chunk, chunk] compares stay A * (E + chunk).
+# Not tuned: timed alone, every grouping was dispatch-bound (engine run 17, call 2).
+_COUNT_CHUNK = 128
 # Up to this many tokens (one 32-token window) `default_tiles` makes a plain weight's row tile hold every token, and
 # the groups are only which experts are touched: one small kernel where the comparisons take ~5 per layer. The rows
 # of a touched expert's tile that no assignment reads cost tensor-core work only: its weights are read once either way.
 _EVERY_TOKEN_MAX_TOKENS = 32
-# Up to this many tokens (batch 8 of 32-token windows) a shared expert of plain weights runs in the experts' kernels
+# Up to this many tokens (batch 32 of 32-token windows) a shared expert of plain weights runs in the experts' kernels
 # as ceil(T / bm) row tiles, each reading its weights, where XLA took three kernels of its own: 12 against 16.5 us
-# per LLaDA2 layer at batch 8 on the H200 (engine run 16). Larger batches keep XLA's GEMMs: unmeasured there.
-_SHARED_IN_KERNELS_MAX_TOKENS = 256
+# per LLaDA2 layer at batch 8 on the H200 (engine run 16); the whole layer at 1024 tokens 535 -> 521 us (engine run
+# 17). Larger batches keep XLA's GEMMs: unmeasured there.
+_SHARED_IN_KERNELS_MAX_TOKENS = 1024
 
 
 def _group_by_expert(expert_ids, num_experts, block_m, method="auto"):
     """Order the assignments by expert into per-expert groups padded to whole row tiles.
 
     method: "compare" (an assignment's row is its group's padded start plus the number of earlier assignments to the
-    same expert; a row's token is found by comparing the row against every assignment's row), "sort" (an argsort
-    by expert and its inverse), "every_token" (T <= block_m only: expert e's tile, rows [e*bm, e*bm + T), holds
-    every token, visited when some assignment chose e), or "auto" (every_token where the tokens fit one tile, else
-    compare up to _COMPARE_MAX_ASSIGNMENTS). compare and sort give identical groups.
+    same expert; a row's token is found by comparing the row against every assignment's row), "count" (the same
+    rows, the earlier assignments counted per chunk; each row's token scattered into it), "every_token" (T <= block_m
+    only: expert e's tile, rows [e*bm, e*bm + T), holds every token, visited when some assignment chose e), or "auto"
+    (every_token where the tokens fit one tile, else compare up to _COMPARE_MAX_ASSIGNMENTS, else count). compare and
+    count give identical groups. Nothing sorts: XLA:GPU runs a large sort as a library call, which splits the
+    denoising loop's CUDA graph, and its sort of 8192 assignments took 32 us per layer on the H200.
 
-    Written without scatters: a scatter updates its operand in place, and inside the engine's denoising while-loop
-    XLA hoists a constant operand (the zeros it starts from) out of the loop and copies it back every iteration
-    (~4 copies per MoE layer in the H200's HLO of LLaDA2's round, routing included). The result passes an optimization
-    barrier so XLA computes it once instead of fusing the counting into every element of its consumers.
+    compare is written without scatters: a scatter updates its operand in place, and inside the engine's denoising
+    while-loop XLA hoists a constant operand (the zeros it starts from) out of the loop and copies it back every
+    iteration (~4 copies per MoE layer in the H200's HLO of LLaDA2's round, routing included). count's one scatter
+    may cost such a copy of R * bm indices; the sorts it replaced needed more (batch-32 forward on the H200: 37.6 ->
+    18.1 small copies, engine run 17). The result passes an optimization barrier so XLA computes it once instead of
+    fusing the counting into every element of its consumers.
     """
     num_tokens, top_k = expert_ids.shape
     num_assignments = num_tokens * top_k
     if method == "auto":
         method = ("every_token" if num_tokens <= block_m else
-                  "compare" if num_assignments <= _COMPARE_MAX_ASSIGNMENTS else "sort")
+                  "compare" if num_assignments <= _COMPARE_MAX_ASSIGNMENTS else "count")
     flat_expert = expert_ids.reshape(-1).astype(jnp.int32)  # [A]
     expert = jnp.arange(num_experts, dtype=jnp.int32)
     group_sizes = jnp.sum(flat_expert[:, None] == expert, axis=0, dtype=jnp.int32)  # [E]
@@ -393,22 +402,26 @@ def _group_by_expert(expert_ids, num_experts, block_m, method="auto"):
         assignment_row = padded_starts[flat_expert] + rank_in_group
         holds = assignment_row[None, :] == row[:, None]  # [R*bm, A]: at most one True per row
         row_token = jnp.sum(jnp.where(holds, assignment[None, :] // top_k, 0), axis=1, dtype=jnp.int32)
-    elif method == "sort":
-        group_starts = jnp.cumsum(group_sizes) - group_sizes
-        order = jnp.argsort(flat_expert, stable=True)  # [A] assignment ids, grouped by expert
-        sorted_expert = flat_expert[order]
-        rank_in_group = assignment - group_starts[sorted_expert]
-        sorted_row = padded_starts[sorted_expert] + rank_in_group  # [A]
-        _, assignment_row = lax.sort((order, sorted_row), num_keys=1)  # back to assignment order: the inverse
-        # row p of expert e's group holds the group's (p - padded_start_e)-th assignment in sorted order
-        row_expert = jnp.repeat(tile_expert, block_m)  # [R*bm]
-        safe_expert = jnp.maximum(row_expert, 0)
-        row_rank = row - padded_starts[safe_expert]
-        filled = (row_expert >= 0) & (row_rank < group_sizes[safe_expert])
-        sorted_position = jnp.minimum(group_starts[safe_expert] + row_rank, num_assignments - 1)
-        row_token = jnp.where(filled, order[sorted_position] // top_k, 0)
+    elif method == "count":
+        # rank in group = same-expert assignments in earlier chunks (a per-chunk count and a cumsum over chunks)
+        # plus those earlier in its own chunk: A * (E + chunk) compares, where compare makes A^2 and more
+        chunk = _COUNT_CHUNK
+        num_chunks = -(-num_assignments // chunk)
+        chunked = jnp.pad(flat_expert, (0, num_chunks * chunk - num_assignments),
+                          constant_values=num_experts).reshape(num_chunks, chunk)  # padding matches no expert
+        chunk_counts = jnp.sum(chunked[:, :, None] == expert, axis=1, dtype=jnp.int32)  # [chunks, E]
+        before_chunk = jnp.cumsum(chunk_counts, axis=0) - chunk_counts
+        lane = jnp.arange(chunk)
+        earlier_in_chunk = jnp.sum((chunked[:, None, :] == chunked[:, :, None]) & (lane < lane[:, None]), axis=2,
+                                   dtype=jnp.int32)  # [chunks, chunk]
+        rank_in_group = (jnp.take_along_axis(before_chunk, jnp.minimum(chunked, num_experts - 1), axis=1)
+                         + earlier_in_chunk).reshape(-1)[:num_assignments]
+        assignment_row = padded_starts[flat_expert] + rank_in_group
+        # rows are distinct: a scatter of each assignment's token (padding rows keep token 0)
+        row_token = jnp.zeros(num_row_tiles * block_m, jnp.int32).at[assignment_row].set(
+            assignment // top_k, unique_indices=True)
     else:
-        raise ValueError(f"unknown grouping method {method!r}; use 'auto', 'every_token', 'compare' or 'sort'")
+        raise ValueError(f"unknown grouping method {method!r}; use 'auto', 'every_token', 'compare' or 'count'")
     return lax.optimization_barrier(ExpertGroups(row_token.astype(jnp.int32), tile_expert,
                                                  assignment_row.reshape(num_tokens, top_k).astype(jnp.int32)))
 

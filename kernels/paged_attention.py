@@ -184,9 +184,10 @@ def _choose_tiling(q, page_size, page_table_width, num_kv_heads, overrides):
     while (q_tile > 1 and q_tile * group > _MIN_SMALL_GRID_ROWS
            and batch * num_kv_heads * -(-window // q_tile) * max_splits < _MIN_PROGRAMS):
         q_tile //= 2
-    # enough programs to cover the SMs twice
+    # enough programs to cover the SMs twice, but no split where the unsplit grid already gives each SM about one:
+    # LLaDA2 at batch 32 (128 programs) took 43.3 us with 2 splits, 30.6 with none (tools/bench_attention.py, H200)
     programs = batch * num_kv_heads * -(-window // q_tile)
-    num_splits = max(1, min(-(-_TARGET_PROGRAMS // programs), max_splits))
+    num_splits = 1 if programs >= _MIN_PROGRAMS else max(1, min(-(-_TARGET_PROGRAMS // programs), max_splits))
     # Triton's pipeliner prefetches loads behind one level of indirection (page id -> K/V rows) only
     # (num_stages - 1) // 2 tiles ahead: 5 stages keep two K/V tiles in flight, 3 or 4 stages only one. One
     # 8-warp program fills an SM's registers, so that prefetch depth is all that hides HBM latency.

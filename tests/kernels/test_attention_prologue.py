@@ -34,7 +34,8 @@ class Case:
 CASES = {
     "llada2_partial_rope_bf16": Case(32, num_heads=16, num_kv_heads=4, head_dim=128, rotary_dim=64, dtype="bfloat16"),
     "sdar_full_rope": Case(32, num_heads=8, num_kv_heads=2, head_dim=128, rotary_dim=128),
-    "odd_token_count_with_drops": Case(12, num_dropped=5),
+    "four_token_programs_with_drops": Case(12, num_dropped=5),
+    "odd_token_count_with_drops": Case(7, num_dropped=3),  # one token per program
     "tiny_heads": Case(4, num_heads=2, num_kv_heads=1, head_dim=16, rotary_dim=8),
     "prefill_chunk_bf16": Case(80, rotary_dim=32, dtype="bfloat16", num_dropped=16),
 }
