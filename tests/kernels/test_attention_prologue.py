@@ -75,6 +75,28 @@ def test_pallas_matches_reference(name):
                                    atol=tolerance, err_msg=name_out)
 
 
+def test_every_pool_write_is_masked():
+    """A dropped token's pool row points past the pool's end, where interpret mode drops the write anyway; on the GPU
+    only the store's mask stops it (the flattened [L, K, P*S, D] view would take it as row 0 of the next kv head or
+    layer). So the kernel's pool stores, and only those, must carry a mask."""
+    case = Case(12, num_dropped=5)
+    kernel_eqns = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            kernel_eqns.append(eqn)
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    prologue = lambda *a: ap.attention_prologue(*a, num_heads=4, num_kv_heads=2, eps=1e-6, impl="pallas")  # noqa: E731
+    walk(jax.make_jaxpr(prologue)(*make_inputs(case, seed=1)).jaxpr)
+    stores = [eqn for eqn in kernel_eqns if "swap" in eqn.primitive.name]
+    pool_stores = [eqn for eqn in stores if eqn.invars[0].aval.ndim == 4]  # the [L, K, P*S, D] pool views
+    masked = [eqn for eqn in stores if "args_tree" in eqn.params and eqn.params["args_tree"].unflatten(eqn.invars)[3]
+              is not None]
+    assert len(pool_stores) == 4 and masked == pool_stores  # k and v pools x two head pieces
+
+
 def test_reference_writes_each_valid_token_and_no_other_row():
     case = Case(6, num_dropped=2)
     qkv, qw, kw, cos, sin, k_pages, v_pages, layer, rows = make_inputs(case, seed=7)
