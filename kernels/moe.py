@@ -330,6 +330,8 @@ class ExpertGroups(NamedTuple):
     # every_token only: i32[T*C] the experts chosen. The kernels test their tile's expert against these themselves,
     # so tile_expert (one XLA reduction kernel per layer) is left for XLA to drop
     expert_ids: jax.Array | None = None
+    # grouped only: i32[R] rows of each tile that hold an assignment (0 for a tile without rows)
+    tile_rows: jax.Array | None = None
 
 
 # Up to this many assignments (batch 8 of 32-token windows at top-8) the groups come from pairwise comparisons, whose
@@ -348,6 +350,10 @@ _EVERY_TOKEN_MAX_TOKENS = 32
 # per LLaDA2 layer at batch 8 on the H200 (engine run 16); the whole layer at 1024 tokens 535 -> 521 us (engine run
 # 17). Larger batches keep XLA's GEMMs: unmeasured there.
 _SHARED_IN_KERNELS_MAX_TOKENS = 1024
+# Grouped row tiles of at least this many rows whose assignments fill at most half of them run at half height: half
+# the tensor-core work and output rows (at batch 32 of LLaDA2, ~32 rows per expert in 64-row tiles, about half the
+# tiles). EXPERIMENT, unmeasured.
+_HALF_TILE_MIN_BLOCK_M = 32
 
 
 def _group_by_expert(expert_ids, num_experts, block_m, method="auto"):
@@ -422,8 +428,12 @@ def _group_by_expert(expert_ids, num_experts, block_m, method="auto"):
             assignment // top_k, unique_indices=True)
     else:
         raise ValueError(f"unknown grouping method {method!r}; use 'auto', 'every_token', 'compare' or 'count'")
+    safe_expert = jnp.maximum(tile_expert, 0)
+    rows_left = group_sizes[safe_expert] - (tile_start - padded_starts[safe_expert])  # of the group, from this tile on
+    tile_rows = jnp.where(tile_expert >= 0, jnp.clip(rows_left, 0, block_m), 0)
     return lax.optimization_barrier(ExpertGroups(row_token.astype(jnp.int32), tile_expert,
-                                                 assignment_row.reshape(num_tokens, top_k).astype(jnp.int32)))
+                                                 assignment_row.reshape(num_tokens, top_k).astype(jnp.int32),
+                                                 tile_rows=tile_rows.astype(jnp.int32)))
 
 
 # e4m3 weight tiles are up-cast to bf16 by bit arithmetic, 4 values per PTX instance (one 32-bit register in, two
@@ -519,21 +529,34 @@ def _routed_expert(experts_ref, row_tile, every_token, num_shared_tiles):
     return jnp.where(touched > 0, routed_tile, -1)  # a shared tile (negative) matches no choice
 
 
+def _run_routed(tile, expert, tile_rows_ref, row_tile, block_m, num_shared_tiles):
+    """tile(height) for this program's routed expert: at half height where a tile_rows_ref says its assignments
+    fill at most half of the tile's rows (they come first), else at full height."""
+    if tile_rows_ref is None:
+        pl.when(expert >= 0)(lambda: tile(block_m))
+        return
+    filled = tile_rows_ref[jnp.maximum(row_tile - num_shared_tiles, 0)]
+    half = filled <= block_m // 2
+    pl.when((expert >= 0) & half)(lambda: tile(block_m // 2))
+    pl.when((expert >= 0) & ~half)(lambda: tile(block_m))
+
+
 def _gate_up_kernel(experts_ref, row_token_ref, x_ref, *refs, block_m, tiles, inter, has_x_scale, has_w_scale,
-                    num_shared_tiles, channel_major, every_token, interpret):
+                    num_shared_tiles, channel_major, every_token, half_tiles, interpret):
     # tile_expert i32[R] (or with every_token the chosen experts i32[A]), row_token i32[(S+R)*bm], x [T, H],
     # (x_scale f32[T]), w [E, H, 2I] or channel-major [E, 2I, H], (w_scale f32[E, 2I]), (shared [1, H, 2I]: S row
     # tiles of the tokens in order before the routed ones)
     # -> act [(S+R)*bm, I]; this program: rows [r*bm, (r+1)*bm) x act columns [j*bn, (j+1)*bn)
     refs = list(refs)
+    tile_rows_ref = refs.pop(0) if half_tiles else None
     shared_ref = refs.pop(-2) if num_shared_tiles else None
     x_scale_ref, w_ref, w_scale_ref, act_ref = _split_scale_refs(refs, has_x_scale, has_w_scale)
     row_tile, col_tile = pl.program_id(0), pl.program_id(1)
     expert = _routed_expert(experts_ref, row_tile, every_token, num_shared_tiles)
 
-    def tile(w_ref, expert, w_scale_ref, channel_major):
-        rows = pl.ds(row_tile * block_m, block_m)
-        tokens = row_token_ref[rows]  # i32[bm]
+    def tile(w_ref, expert, w_scale_ref, channel_major, height):
+        rows = pl.ds(row_tile * block_m, height)
+        tokens = row_token_ref[rows]  # i32[height]
         gate_cols = pl.ds(col_tile * tiles.block_n, tiles.block_n)
         up_cols = pl.ds(inter + col_tile * tiles.block_n, tiles.block_n)
 
@@ -546,7 +569,7 @@ def _gate_up_kernel(experts_ref, row_token_ref, x_ref, *refs, block_m, tiles, in
             return gate, up
 
         transposed = _weight_on_left(channel_major, x_ref.dtype)
-        zeros = jnp.zeros((tiles.block_n, block_m) if transposed else (block_m, tiles.block_n), jnp.float32)
+        zeros = jnp.zeros((tiles.block_n, height) if transposed else (height, tiles.block_n), jnp.float32)
         gate, up = lax.fori_loop(0, x_ref.shape[1] // tiles.block_k, accumulate, (zeros, zeros))
         if transposed:
             gate, up = gate.T, up.T
@@ -558,24 +581,26 @@ def _gate_up_kernel(experts_ref, row_token_ref, x_ref, *refs, block_m, tiles, in
             up = up * w_scale_ref[expert, up_cols][None, :]
         act_ref[rows, gate_cols] = (gate / (1.0 + jnp.exp(-gate)) * up).astype(act_ref.dtype)
 
-    pl.when(expert >= 0)(lambda: tile(w_ref, expert, w_scale_ref, channel_major))
+    _run_routed(lambda height: tile(w_ref, expert, w_scale_ref, channel_major, height), expert, tile_rows_ref,
+                row_tile, block_m, num_shared_tiles)
     if shared_ref is not None:
-        pl.when(row_tile < num_shared_tiles)(lambda: tile(shared_ref, 0, None, False))
+        pl.when(row_tile < num_shared_tiles)(lambda: tile(shared_ref, 0, None, False, block_m))
 
 
 def _down_kernel(experts_ref, act_ref, *refs, block_m, tiles, has_act_scale, has_w_scale, num_shared_tiles,
-                 channel_major, every_token, interpret):
+                 channel_major, every_token, half_tiles, interpret):
     # tile_expert i32[R] (or with every_token the chosen experts i32[A]), act [(S+R)*bm, I], (act_scale
     # f32[R*bm], never with a shared tile), w [E, I, H] or channel-major [E, H, I], (w_scale f32[E, H]),
     # (shared [1, I, H]) -> out [(S+R)*bm, H]
     refs = list(refs)
+    tile_rows_ref = refs.pop(0) if half_tiles else None
     shared_ref = refs.pop(-2) if num_shared_tiles else None
     act_scale_ref, w_ref, w_scale_ref, out_ref = _split_scale_refs(refs, has_act_scale, has_w_scale)
     row_tile, col_tile = pl.program_id(0), pl.program_id(1)
     expert = _routed_expert(experts_ref, row_tile, every_token, num_shared_tiles)
 
-    def tile(w_ref, expert, w_scale_ref, channel_major):
-        rows = pl.ds(row_tile * block_m, block_m)
+    def tile(w_ref, expert, w_scale_ref, channel_major, height):
+        rows = pl.ds(row_tile * block_m, height)
         cols = pl.ds(col_tile * tiles.block_n, tiles.block_n)
 
         def accumulate(k, acc):
@@ -583,7 +608,7 @@ def _down_kernel(experts_ref, act_ref, *refs, block_m, tiles, has_act_scale, has
             return acc + _weight_product(act_ref[rows, ks], w_ref, expert, ks, cols, channel_major, interpret)
 
         transposed = _weight_on_left(channel_major, act_ref.dtype)
-        acc_shape = (tiles.block_n, block_m) if transposed else (block_m, tiles.block_n)
+        acc_shape = (tiles.block_n, height) if transposed else (height, tiles.block_n)
         acc = lax.fori_loop(0, act_ref.shape[1] // tiles.block_k, accumulate, jnp.zeros(acc_shape, jnp.float32))
         if transposed:
             acc = acc.T
@@ -593,9 +618,10 @@ def _down_kernel(experts_ref, act_ref, *refs, block_m, tiles, has_act_scale, has
             acc = acc * w_scale_ref[expert, cols][None, :]
         out_ref[rows, cols] = acc.astype(out_ref.dtype)
 
-    pl.when(expert >= 0)(lambda: tile(w_ref, expert, w_scale_ref, channel_major))
+    _run_routed(lambda height: tile(w_ref, expert, w_scale_ref, channel_major, height), expert, tile_rows_ref,
+                row_tile, block_m, num_shared_tiles)
     if shared_ref is not None:
-        pl.when(row_tile < num_shared_tiles)(lambda: tile(shared_ref, 0, None, False))
+        pl.when(row_tile < num_shared_tiles)(lambda: tile(shared_ref, 0, None, False, block_m))
 
 
 def _compiler_params(gemm):
@@ -604,6 +630,14 @@ def _compiler_params(gemm):
 
 def _experts_operand(groups: ExpertGroups) -> jax.Array:
     return groups.tile_expert if groups.expert_ids is None else groups.expert_ids
+
+
+def _half_tiles(groups: ExpertGroups, tiles: MoeTiles) -> bool:
+    return groups.tile_rows is not None and tiles.block_m >= _HALF_TILE_MIN_BLOCK_M
+
+
+def _half_tile_operand(groups: ExpertGroups, tiles: MoeTiles) -> list:
+    return [groups.tile_rows] if _half_tiles(groups, tiles) else []
 
 
 def _scaled_operands(row_scale, w_values, w_scales) -> list:
@@ -624,7 +658,8 @@ def _gate_up(groups, x, x_scale, w_values, w_scales, channel_major, *, act_dtype
     kernel = functools.partial(_gate_up_kernel, block_m=tiles.block_m, tiles=tiles.gate_up, inter=inter,
                                has_x_scale=x_scale is not None, has_w_scale=w_scales is not None,
                                num_shared_tiles=num_shared_tiles, channel_major=channel_major,
-                               every_token=groups.expert_ids is not None, interpret=interpret)
+                               every_token=groups.expert_ids is not None, half_tiles=_half_tiles(groups, tiles),
+                               interpret=interpret)
     return pl.pallas_call(
         kernel,
         grid=(row_token.shape[0] // tiles.block_m, inter // tiles.gate_up.block_n),
@@ -632,7 +667,8 @@ def _gate_up(groups, x, x_scale, w_values, w_scales, channel_major, *, act_dtype
         compiler_params=_compiler_params(tiles.gate_up),
         interpret=interpret,
         name="moe_gate_up",
-    )(_experts_operand(groups), row_token, x, *_scaled_operands(x_scale, w_values, w_scales),
+    )(_experts_operand(groups), row_token, x, *_half_tile_operand(groups, tiles),
+      *_scaled_operands(x_scale, w_values, w_scales),
       *([] if shared is None else [shared[None]]))
 
 
@@ -644,7 +680,8 @@ def _down(groups, act, act_scale, w_values, w_scales, channel_major, *, out_dtyp
     kernel = functools.partial(_down_kernel, block_m=tiles.block_m, tiles=tiles.down,
                                has_act_scale=act_scale is not None, has_w_scale=w_scales is not None,
                                num_shared_tiles=num_shared_tiles, channel_major=channel_major,
-                               every_token=groups.expert_ids is not None, interpret=interpret)
+                               every_token=groups.expert_ids is not None, half_tiles=_half_tiles(groups, tiles),
+                               interpret=interpret)
     return pl.pallas_call(
         kernel,
         grid=(num_rows // tiles.block_m, hidden // tiles.down.block_n),
@@ -652,8 +689,8 @@ def _down(groups, act, act_scale, w_values, w_scales, channel_major, *, out_dtyp
         compiler_params=_compiler_params(tiles.down),
         interpret=interpret,
         name="moe_down",
-    )(_experts_operand(groups), act, *_scaled_operands(act_scale, w_values, w_scales),
-      *([] if shared is None else [shared[None]]))
+    )(_experts_operand(groups), act, *_half_tile_operand(groups, tiles),
+      *_scaled_operands(act_scale, w_values, w_scales), *([] if shared is None else [shared[None]]))
 
 
 def _values_and_scales(w):

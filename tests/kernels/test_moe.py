@@ -334,6 +334,10 @@ def test_grouping_visits_only_filled_tiles(pattern, method):
     assert len(np.unique(rows)) == ids.size
     np.testing.assert_array_equal(groups.tile_expert[rows // block_m], ids.ravel())
     np.testing.assert_array_equal(groups.row_token[rows], np.arange(ids.size) // ids.shape[1])
+    # each tile's filled rows are counted, and they come first in the tile (a half-height tile computes only those)
+    filled = np.bincount(rows // block_m, minlength=len(groups.tile_expert))
+    np.testing.assert_array_equal(groups.tile_rows, filled)
+    assert (rows % block_m < groups.tile_rows[rows // block_m]).all()
 
 
 @pytest.mark.parametrize("num_tokens, block_m", [(32, 32), (5, 16), (1, 16)])
