@@ -352,7 +352,7 @@ _EVERY_TOKEN_MAX_TOKENS = 32
 _SHARED_IN_KERNELS_MAX_TOKENS = 1024
 # Grouped row tiles of at least this many rows whose assignments fill at most half of them run at half height: half
 # the tensor-core work and output rows (at batch 32 of LLaDA2, ~32 rows per expert in 64-row tiles, about half the
-# tiles). EXPERIMENT, unmeasured.
+# tiles): LLaDA2 batch 32 13.60 -> 13.13 ms per forward on the H200, batch 8 unchanged (engine run 18).
 _HALF_TILE_MIN_BLOCK_M = 32
 
 
