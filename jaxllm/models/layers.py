@@ -69,6 +69,47 @@ def matmul(x, w):
     return jnp.dot(x, w.astype(x.dtype), precision=lax.Precision.HIGHEST if x.dtype == jnp.float32 else None)
 
 
+def bf16_pieces(w):
+    """float32 w -> three bf16 arrays whose float32 sum is w exactly: each piece is the top 8 significant bits of
+    what the earlier ones left (bit masks, not rounding conversions, which XLA may fold away)."""
+    pieces, rest = [], w.astype(jnp.float32)
+    for _ in range(3):
+        top = lax.bitcast_convert_type(lax.bitcast_convert_type(rest, jnp.uint32) & jnp.uint32(0xFFFF0000),
+                                       jnp.float32)
+        pieces.append(top.astype(jnp.bfloat16))  # exact: top holds 8 significant bits
+        rest = rest - top  # exact: the bits below top's
+    return pieces
+
+
+# From this many rows of bf16 x the GPU multiplies by pieces; at 32 rows (batch 1) the pieces GEMM is no faster
+_PIECES_MIN_ROWS = 33
+
+
+def float32_matmul(x, w, impl="auto"):
+    """x @ w to float32 accuracy for a float32 weight w, f32[..., N].
+
+    impl "pieces": for bf16 x (LLaDA2's router reads the bf16 hidden states), one bf16 GEMM of x by w's three bf16
+    pieces with float32 accumulation; each product is exact, so only the order of the float32 additions differs
+    from IEEE float32. "float32": IEEE float32 (HIGHEST), on the GPU's CUDA cores. "auto": pieces on the GPU for
+    bf16 x of more than 32 rows, float32 elsewhere.
+    H200, the router alone (runs/s18/router_probe.py, us per layer, float32 / pieces with w split beforehand): 32
+    rows 7.6 / 8.0, 256 rows 17.0 / 11.5, 1024 rows 34.6 / 18.5; LLaDA2 forward (w split in each forward) at batch 8
+    9.852 -> 9.778 ms, batch 32 12.963 -> 12.566 (engine run 18). XLA's BF16_BF16_F32_X6 algorithm was slower than
+    the pieces above 32 rows and, at batch 1, no faster than float32 in the engine (5.823 against 5.832 ms).
+    """
+    if impl == "auto":
+        pieces = (jax.default_backend() == "gpu" and x.dtype == jnp.bfloat16
+                  and x.size // x.shape[-1] >= _PIECES_MIN_ROWS)
+        impl = "pieces" if pieces else "float32"
+    if impl == "float32":
+        return matmul(x.astype(jnp.float32), w.astype(jnp.float32))
+    if impl != "pieces" or x.dtype != jnp.bfloat16:
+        raise ValueError(f"impl {impl!r} with {x.dtype} x: use 'auto', 'float32', or 'pieces' with bf16 x")
+    out = jnp.dot(x, jnp.concatenate(bf16_pieces(w), axis=-1), preferred_element_type=jnp.float32)
+    hi, mid, lo = jnp.split(out, 3, axis=-1)
+    return hi + mid + lo
+
+
 class Linear(nnx.Module):
     """y = x @ kernel, kernel [in, out] (HF stores [out, in]; the loader transposes)."""
 

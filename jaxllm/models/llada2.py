@@ -16,7 +16,7 @@ from flax import nnx
 from jaxllm.config import ConfigError, ModelConfig, MoEConfig, hf_field, transformer_config
 from jaxllm.kernels.moe import moe_experts, route_grouped_sigmoid
 from jaxllm.loader import ConcatTransposed, Tensor, transpose, unchanged
-from jaxllm.models.layers import MLP, DecoderLM, Linear, normal_init
+from jaxllm.models.layers import MLP, DecoderLM, Linear, float32_matmul, normal_init
 from jaxllm.quantization import quantize
 
 MODEL_TYPE = "llada2_moe"
@@ -65,7 +65,7 @@ class SparseMoE(nnx.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, expert_ids = route_grouped_sigmoid(
-            self.gate(flat.astype(jnp.float32)), self.expert_bias[...], top_k=self.moe.num_experts_per_tok,
+            float32_matmul(flat, self.gate.kernel[...]), self.expert_bias[...], top_k=self.moe.num_experts_per_tok,
             n_group=self.moe.n_group, topk_group=self.moe.topk_group,
             # as the reference gate: top-k weights normalised whenever top_k > 1, whatever norm_topk_prob says
             routed_scaling_factor=self.moe.routed_scaling_factor, norm_topk_prob=self.moe.num_experts_per_tok > 1)
