@@ -96,6 +96,8 @@ def float32_matmul(x, w, impl="auto"):
     rows 7.6 / 8.0, 256 rows 17.0 / 11.5, 1024 rows 34.6 / 18.5; LLaDA2 forward (w split in each forward) at batch 8
     9.852 -> 9.778 ms, batch 32 12.963 -> 12.566 (engine run 18). XLA's BF16_BF16_F32_X6 algorithm was slower than
     the pieces above 32 rows and, at batch 1, no faster than float32 in the engine (5.823 against 5.832 ms).
+    So batch 1 and larger batches add a token's router products in different orders, as XLA's GEMMs already may
+    for different row counts: float32 rounding apart, the same logits.
     """
     if impl == "auto":
         pieces = (jax.default_backend() == "gpu" and x.dtype == jnp.bfloat16
