@@ -6,6 +6,7 @@ RoPE tables in float32 cast to the activation dtype, softmax in float32, logits 
 """
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -70,8 +71,9 @@ def matmul(x, w):
 
 
 def bf16_pieces(w):
-    """float32 w -> three bf16 arrays whose float32 sum is w exactly: each piece is the top 8 significant bits of
-    what the earlier ones left (bit masks, not rounding conversions, which XLA may fold away)."""
+    """float32 w -> three bf16 arrays whose float32 sum is w: each piece is the top 8 significant bits of what the
+    earlier ones left (bit masks, not rounding conversions, which XLA may fold away). Exact for |w| >= 2^-103;
+    below, the last piece would be subnormal and may flush to zero (an error under 2^-126); -0.0 comes back +0.0."""
     pieces, rest = [], w.astype(jnp.float32)
     for _ in range(3):
         top = lax.bitcast_convert_type(lax.bitcast_convert_type(rest, jnp.uint32) & jnp.uint32(0xFFFF0000),
@@ -89,9 +91,10 @@ def float32_matmul(x, w, impl="auto"):
     """x @ w to float32 accuracy for a float32 weight w, f32[..., N].
 
     impl "pieces": for bf16 x (LLaDA2's router reads the bf16 hidden states), one bf16 GEMM of x by w's three bf16
-    pieces with float32 accumulation; each product is exact, so only the order of the float32 additions differs
-    from IEEE float32. "float32": IEEE float32 (HIGHEST), on the GPU's CUDA cores. "auto": pieces on the GPU for
-    bf16 x of more than 32 rows, float32 elsewhere.
+    pieces with float32 accumulation; each product is exact, and the error is float32 rounding in the additions
+    (about twice IEEE float32's against a float64 product in the tests: three partial sums round separately).
+    "float32": IEEE float32 (HIGHEST), on the GPU's CUDA cores. "auto": pieces on the GPU for bf16 x of more than
+    32 rows, float32 elsewhere.
     H200, the router alone (runs/s18/router_probe.py, us per layer, float32 / pieces with w split beforehand): 32
     rows 7.6 / 8.0, 256 rows 17.0 / 11.5, 1024 rows 34.6 / 18.5; LLaDA2 forward (w split in each forward) at batch 8
     9.852 -> 9.778 ms, batch 32 12.963 -> 12.566 (engine run 18). XLA's BF16_BF16_F32_X6 algorithm was slower than
@@ -101,7 +104,7 @@ def float32_matmul(x, w, impl="auto"):
     """
     if impl == "auto":
         pieces = (jax.default_backend() == "gpu" and x.dtype == jnp.bfloat16
-                  and x.size // x.shape[-1] >= _PIECES_MIN_ROWS)
+                  and math.prod(x.shape[:-1]) >= _PIECES_MIN_ROWS)
         impl = "pieces" if pieces else "float32"
     if impl == "float32":
         return matmul(x.astype(jnp.float32), w.astype(jnp.float32))
@@ -109,7 +112,7 @@ def float32_matmul(x, w, impl="auto"):
         raise ValueError(f"impl {impl!r} with {x.dtype} x: use 'auto', 'float32', or 'pieces' with bf16 x")
     out = jnp.dot(x, jnp.concatenate(bf16_pieces(w), axis=-1), preferred_element_type=jnp.float32)
     hi, mid, lo = jnp.split(out, 3, axis=-1)
-    return hi + mid + lo
+    return hi + (mid + lo)  # the two small sums first: one rounding fewer at hi's scale
 
 
 class Linear(nnx.Module):
