@@ -330,7 +330,8 @@ class ExpertGroups(NamedTuple):
     # every_token only: i32[T*C] the experts chosen. The kernels test their tile's expert against these themselves,
     # so tile_expert (one XLA reduction kernel per layer) is left for XLA to drop
     expert_ids: jax.Array | None = None
-    # grouped only: i32[R] rows of each tile that hold an assignment (0 for a tile without rows)
+    # grouped tiles of >= _HALF_TILE_MIN_BLOCK_M rows only: i32[R] rows of each tile that hold an assignment (0 for
+    # a tile without rows); the kernels run a tile filled at most half at half height
     tile_rows: jax.Array | None = None
 
 
@@ -428,12 +429,14 @@ def _group_by_expert(expert_ids, num_experts, block_m, method="auto"):
             assignment // top_k, unique_indices=True)
     else:
         raise ValueError(f"unknown grouping method {method!r}; use 'auto', 'every_token', 'compare' or 'count'")
-    safe_expert = jnp.maximum(tile_expert, 0)
-    rows_left = group_sizes[safe_expert] - (tile_start - padded_starts[safe_expert])  # of the group, from this tile on
-    tile_rows = jnp.where(tile_expert >= 0, jnp.clip(rows_left, 0, block_m), 0)
+    tile_rows = None
+    if block_m >= _HALF_TILE_MIN_BLOCK_M:  # smaller tiles run at full height: nothing to count
+        safe_expert = jnp.maximum(tile_expert, 0)
+        rows_left = group_sizes[safe_expert] - (tile_start - padded_starts[safe_expert])  # the group's, from here on
+        tile_rows = jnp.where(tile_expert >= 0, jnp.clip(rows_left, 0, block_m), 0).astype(jnp.int32)
     return lax.optimization_barrier(ExpertGroups(row_token.astype(jnp.int32), tile_expert,
                                                  assignment_row.reshape(num_tokens, top_k).astype(jnp.int32),
-                                                 tile_rows=tile_rows.astype(jnp.int32)))
+                                                 tile_rows=tile_rows))
 
 
 # e4m3 weight tiles are up-cast to bf16 by bit arithmetic, 4 values per PTX instance (one 32-bit register in, two
@@ -632,12 +635,8 @@ def _experts_operand(groups: ExpertGroups) -> jax.Array:
     return groups.tile_expert if groups.expert_ids is None else groups.expert_ids
 
 
-def _half_tiles(groups: ExpertGroups, tiles: MoeTiles) -> bool:
-    return groups.tile_rows is not None and tiles.block_m >= _HALF_TILE_MIN_BLOCK_M
-
-
-def _half_tile_operand(groups: ExpertGroups, tiles: MoeTiles) -> list:
-    return [groups.tile_rows] if _half_tiles(groups, tiles) else []
+def _half_tile_operand(groups: ExpertGroups) -> list:
+    return [] if groups.tile_rows is None else [groups.tile_rows]
 
 
 def _scaled_operands(row_scale, w_values, w_scales) -> list:
@@ -658,7 +657,7 @@ def _gate_up(groups, x, x_scale, w_values, w_scales, channel_major, *, act_dtype
     kernel = functools.partial(_gate_up_kernel, block_m=tiles.block_m, tiles=tiles.gate_up, inter=inter,
                                has_x_scale=x_scale is not None, has_w_scale=w_scales is not None,
                                num_shared_tiles=num_shared_tiles, channel_major=channel_major,
-                               every_token=groups.expert_ids is not None, half_tiles=_half_tiles(groups, tiles),
+                               every_token=groups.expert_ids is not None, half_tiles=groups.tile_rows is not None,
                                interpret=interpret)
     return pl.pallas_call(
         kernel,
@@ -667,7 +666,7 @@ def _gate_up(groups, x, x_scale, w_values, w_scales, channel_major, *, act_dtype
         compiler_params=_compiler_params(tiles.gate_up),
         interpret=interpret,
         name="moe_gate_up",
-    )(_experts_operand(groups), row_token, x, *_half_tile_operand(groups, tiles),
+    )(_experts_operand(groups), row_token, x, *_half_tile_operand(groups),
       *_scaled_operands(x_scale, w_values, w_scales),
       *([] if shared is None else [shared[None]]))
 
@@ -680,7 +679,7 @@ def _down(groups, act, act_scale, w_values, w_scales, channel_major, *, out_dtyp
     kernel = functools.partial(_down_kernel, block_m=tiles.block_m, tiles=tiles.down,
                                has_act_scale=act_scale is not None, has_w_scale=w_scales is not None,
                                num_shared_tiles=num_shared_tiles, channel_major=channel_major,
-                               every_token=groups.expert_ids is not None, half_tiles=_half_tiles(groups, tiles),
+                               every_token=groups.expert_ids is not None, half_tiles=groups.tile_rows is not None,
                                interpret=interpret)
     return pl.pallas_call(
         kernel,
@@ -689,7 +688,7 @@ def _down(groups, act, act_scale, w_values, w_scales, channel_major, *, out_dtyp
         compiler_params=_compiler_params(tiles.down),
         interpret=interpret,
         name="moe_down",
-    )(_experts_operand(groups), act, *_half_tile_operand(groups, tiles),
+    )(_experts_operand(groups), act, *_half_tile_operand(groups),
       *_scaled_operands(act_scale, w_values, w_scales), *([] if shared is None else [shared[None]]))
 
 

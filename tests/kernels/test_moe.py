@@ -314,7 +314,7 @@ def test_xla_shared_expert_rounds_no_more_than_the_kernels_shared_tile():
 @pytest.mark.parametrize("pattern", ["random", "subset", "one_expert", "tile_plus_one"])
 def test_grouping_visits_only_filled_tiles(pattern, method):
     rng = np.random.default_rng(3)
-    num_experts, block_m = 16, 16
+    num_experts, block_m = 16, 32  # tiles of >= 32 rows count their filled rows (half-height tiles)
     if pattern == "tile_plus_one":  # the worst case for padding: every expert holds block_m + 1 rows
         ids = np.repeat(np.arange(num_experts), block_m + 1)[rng.permutation(num_experts * (block_m + 1))]
         ids = ids.reshape(-1, 1)
@@ -338,6 +338,7 @@ def test_grouping_visits_only_filled_tiles(pattern, method):
     filled = np.bincount(rows // block_m, minlength=len(groups.tile_expert))
     np.testing.assert_array_equal(groups.tile_rows, filled)
     assert (rows % block_m < groups.tile_rows[rows // block_m]).all()
+    assert _group_by_expert(jnp.asarray(ids, jnp.int32), num_experts, 16, method).tile_rows is None  # full height
 
 
 @pytest.mark.parametrize("num_tokens, block_m", [(32, 32), (5, 16), (1, 16)])
