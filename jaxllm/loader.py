@@ -187,6 +187,9 @@ def random_weights(abstract_model: nnx.Module, seed: int = 0, std: float = 0.02,
             filled[path] = (1.0 + make(key, struct.shape, jnp.float32)).astype(struct.dtype)
         elif path.endswith("expert_bias"):
             filled[path] = jnp.abs(make(key, struct.shape, struct.dtype))
+        elif path.endswith("router_pieces"):  # a float32 weight [H, E] cut into its bf16 pieces [H, 3E]
+            from jaxllm.models.layers import cut_router_weight  # here: jaxllm.models imports this module
+            filled[path] = cut_router_weight(make(key, (*struct.shape[:-1], struct.shape[-1] // 3), jnp.float32))
         else:
             filled[path] = make(key, struct.shape, struct.dtype)
         if convert:

@@ -4,6 +4,7 @@ fails with one error that names the field or tensor."""
 import json
 import shutil
 
+import ml_dtypes
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
@@ -138,3 +139,41 @@ def test_a_tensor_in_two_files_without_an_index_is_refused(sdar_dir):
               sdar_dir / "model.safetensors.old.safetensors")
     with pytest.raises(CheckpointError, match=r"'model\.embed_tokens\.weight' is in both"):
         load_model(sdar_dir, model_config(sdar_dir), "float32")
+
+
+def _router_weights(params: dict) -> dict[int, np.ndarray]:
+    """layer -> the router weight [H, E] its bf16 pieces [H, 3E] sum to, in float32 (exact)."""
+    out = {}
+    for key, pieces in params.items():
+        if key.endswith("['mlp']['router_pieces']"):
+            assert pieces.dtype == ml_dtypes.bfloat16
+            hi, mid, lo = (p.astype(np.float32) for p in np.split(pieces, 3, axis=-1))
+            out[int(key.split("][")[1])] = hi + mid + lo
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_llada2_router_pieces_are_cut_from_the_checkpoints_float32_weight(checkpoints, dtype):
+    """Cut before the loader casts to the parameter's bf16: the pieces sum back to the float32 checkpoint tensor bit
+    for bit (cut from a bf16 rounding, they would sum to that rounding)."""
+    path = checkpoints("llada2")
+    cfg = model_config(path)
+    checkpoint = load_file(path / "model.safetensors")
+    routers = _router_weights(param_arrays(load_model(path, cfg, dtype)))
+    assert sorted(routers) == list(range(cfg.moe.first_k_dense_replace, cfg.num_layers)) and routers
+    for layer, weight in routers.items():
+        want = checkpoint[f"model.layers.{layer}.mlp.gate.weight"]
+        assert want.dtype == np.float32 and (want != want.astype(ml_dtypes.bfloat16).astype(np.float32)).any()
+        np.testing.assert_array_equal(weight, want.T)
+
+
+def test_llada2_random_router_weights_are_cut_into_pieces(checkpoints):
+    """Random weights for benchmarks: each router parameter is a float32 draw's pieces, not three unrelated draws."""
+    path = checkpoints("llada2")
+    params = param_arrays(load_model(path, model_config(path), "bfloat16", random_init=True))
+    for key, pieces in params.items():
+        if key.endswith("['router_pieces']"):
+            hi, mid, lo = (p.astype(np.float32) for p in np.split(pieces, 3, axis=-1))
+            assert 0.015 < hi.std() < 0.025 and (lo != 0).any(), key
+            hi, mid, lo = np.abs(hi), np.abs(mid), np.abs(lo)
+            assert (mid <= hi * 2.0 ** -7).all() and (lo <= mid * 2.0 ** -7).all(), key

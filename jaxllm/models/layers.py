@@ -6,7 +6,6 @@ RoPE tables in float32 cast to the activation dtype, softmax in float32, logits 
 """
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -83,34 +82,32 @@ def bf16_pieces(w):
     return pieces
 
 
-# From this many rows of bf16 x the GPU multiplies by pieces; at 32 rows (batch 1) the pieces GEMM is no faster
-_PIECES_MIN_ROWS = 33
+def cut_router_weight(w):
+    """float32 w [..., N] -> bf16 [..., 3N]: its bf16_pieces hi | mid | lo along the last axis, the operand of
+    `router_matmul`."""
+    return jnp.concatenate(bf16_pieces(w), axis=-1)
 
 
-def float32_matmul(x, w, impl="auto"):
-    """x @ w to float32 accuracy for a float32 weight w, f32[..., N].
+def router_matmul(x, pieces):
+    """x @ w to float32 accuracy, f32[..., N], from w's pieces bf16 [K, 3N] (`cut_router_weight`).
 
-    impl "pieces": for bf16 x (LLaDA2's router reads the bf16 hidden states), one bf16 GEMM of x by w's three bf16
-    pieces with float32 accumulation; each product is exact, and the error is float32 rounding in the additions
-    (about twice IEEE float32's against a float64 product in the tests: three partial sums round separately).
-    "float32": IEEE float32 (HIGHEST), on the GPU's CUDA cores. "auto": pieces on the GPU for bf16 x of more than
-    32 rows, float32 elsewhere.
-    H200, the router alone (runs/s18/router_probe.py, us per layer, float32 / pieces with w split beforehand): 32
-    rows 7.6 / 8.0, 256 rows 17.0 / 11.5, 1024 rows 34.6 / 18.5; LLaDA2 forward (w split in each forward) at batch 8
-    9.852 -> 9.778 ms, batch 32 12.963 -> 12.566 (engine run 18). XLA's BF16_BF16_F32_X6 algorithm was slower than
-    the pieces above 32 rows and, at batch 1, no faster than float32 in the engine (5.823 against 5.832 ms).
-    So batch 1 and larger batches add a token's router products in different orders, as XLA's GEMMs already may
-    for different row counts: float32 rounding apart, the same logits.
+    bf16 x (LLaDA2's router reads the bf16 hidden states): one bf16 GEMM by the pieces with float32 accumulation;
+    each product is exact, and the error is float32 rounding in the additions (about twice IEEE float32's against a
+    float64 product in the tests: three partial sums round separately). The same arithmetic at every row count, so
+    batch 1 and larger batches route a token alike. float32 x (float32 models): w = hi + mid + lo (exact) and an
+    IEEE float32 product, as `matmul`.
+    The pieces are cut when the weights load, not in each forward. H200, the router alone (runs/s19/router_probe.py,
+    2026-12-01, us per layer, 19 layers; float32 / cut in each call / cut beforehand): 32 rows 7.20 / 7.19 / 7.79,
+    256 rows 16.75 / 13.02 / 9.81, 1024 rows 40.84 / 19.49 / 15.18: 3-4 us per MoE layer saved at batch 8 and 32,
+    0.6 us lost at batch 1. Pieces stacked along K ([3K, N], x repeated) were slower (22.1 / 25.9 us at 1024 rows),
+    and XLA's BF16_BF16_F32_X6 algorithm slower above 32 rows, no faster at batch 1 (engine run 18).
     """
-    if impl == "auto":
-        pieces = (jax.default_backend() == "gpu" and x.dtype == jnp.bfloat16
-                  and math.prod(x.shape[:-1]) >= _PIECES_MIN_ROWS)
-        impl = "pieces" if pieces else "float32"
-    if impl == "float32":
-        return matmul(x.astype(jnp.float32), w.astype(jnp.float32))
-    if impl != "pieces" or x.dtype != jnp.bfloat16:
-        raise ValueError(f"impl {impl!r} with {x.dtype} x: use 'auto', 'float32', or 'pieces' with bf16 x")
-    out = jnp.dot(x, jnp.concatenate(bf16_pieces(w), axis=-1), preferred_element_type=jnp.float32)
+    if x.dtype == jnp.float32:
+        hi, mid, lo = (p.astype(jnp.float32) for p in jnp.split(pieces, 3, axis=-1))
+        return matmul(x, hi + (mid + lo))
+    if x.dtype != jnp.bfloat16:
+        raise ValueError(f"router_matmul takes bf16 or float32 x, got {x.dtype}")
+    out = jnp.dot(x, pieces, preferred_element_type=jnp.float32)
     hi, mid, lo = jnp.split(out, 3, axis=-1)
     return hi + (mid + lo)  # the two small sums first: one rounding fewer at hi's scale
 

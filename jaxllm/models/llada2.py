@@ -11,12 +11,13 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxllm.config import ConfigError, ModelConfig, MoEConfig, hf_field, transformer_config
 from jaxllm.kernels.moe import moe_experts, route_grouped_sigmoid
 from jaxllm.loader import ConcatTransposed, Tensor, transpose, unchanged
-from jaxllm.models.layers import MLP, DecoderLM, Linear, float32_matmul, normal_init
+from jaxllm.models.layers import MLP, DecoderLM, cut_router_weight, normal_init, router_matmul
 from jaxllm.quantization import quantize
 
 MODEL_TYPE = "llada2_moe"
@@ -54,7 +55,9 @@ class SparseMoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
         moe = self.moe = cfg.moe
         width = moe.moe_intermediate_size
-        self.gate = Linear(cfg.hidden_size, moe.num_experts, dtype=jnp.float32, rngs=rngs)  # router stays f32
+        # the float32 router weight [H, E] as its bf16 pieces [H, 3E], cut once here rather than in each forward
+        self.router_pieces = nnx.Param(cut_router_weight(
+            normal_init(rngs, (cfg.hidden_size, moe.num_experts), jnp.float32).get_value()))
         self.expert_bias = nnx.Param(jnp.zeros((moe.num_experts,), jnp.float32))
         self.experts_gate_up = normal_init(rngs, (moe.num_experts, cfg.hidden_size, 2 * width), dtype)
         self.experts_down = normal_init(rngs, (moe.num_experts, width, cfg.hidden_size), dtype)
@@ -65,7 +68,7 @@ class SparseMoE(nnx.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, expert_ids = route_grouped_sigmoid(
-            float32_matmul(flat, self.gate.kernel[...]), self.expert_bias[...], top_k=self.moe.num_experts_per_tok,
+            router_matmul(flat, self.router_pieces[...]), self.expert_bias[...], top_k=self.moe.num_experts_per_tok,
             n_group=self.moe.n_group, topk_group=self.moe.topk_group,
             # as the reference gate: top-k weights normalised whenever top_k > 1, whatever norm_topk_prob says
             routed_scaling_factor=self.moe.routed_scaling_factor, norm_topk_prob=self.moe.num_experts_per_tok > 1)
@@ -105,6 +108,12 @@ def _quantize_channel_major(weight, mode):
     return quantize(weight, mode, channel_major=True)
 
 
+def router_pieces_from_hf(gate_weight: np.ndarray) -> np.ndarray:
+    """HF router weight [E, H] -> bf16 pieces [H, 3E], cut from the checkpoint's float32 (the loader's cast to the
+    parameter's bf16 leaves them as they are)."""
+    return np.asarray(cut_router_weight(jnp.asarray(gate_weight.T, jnp.float32)))
+
+
 def hf_weight_map(cfg: ModelConfig) -> dict[str, Tensor]:
     """Model parameter path -> the checkpoint tensors it is made of."""
     attention = {
@@ -123,7 +132,7 @@ def hf_weight_map(cfg: ModelConfig) -> dict[str, Tensor]:
                 f"{module}/down_proj/kernel": ((f"{key}.down_proj.weight",), transpose)}
 
     moe_mlp = {
-        "mlp/gate/kernel": (("mlp.gate.weight",), transpose),
+        "mlp/router_pieces": (("mlp.gate.weight",), router_pieces_from_hf),
         "mlp/expert_bias": (("mlp.gate.expert_bias",), unchanged),
         "mlp/experts_gate_up": (("mlp.experts.{expert}.gate_proj.weight", "mlp.experts.{expert}.up_proj.weight"),
                                 ConcatTransposed((cfg.moe.moe_intermediate_size,) * 2)),
