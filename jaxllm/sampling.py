@@ -10,7 +10,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxllm.kernels.top_k_top_p import filter_threshold, kept_mass, order_keys
+from jaxllm.kernels.top_k_top_p import filter_threshold, kept_segments, order_keys
 
 
 @dataclasses.dataclass
@@ -49,23 +49,24 @@ def _masked(logits, allowed):
     return logits if allowed is None else jnp.where(allowed, logits, -jnp.inf)
 
 
-def _probability_of(logits, candidates, threshold, allowed=None):
-    """softmax over each row's kept logits (order key >= threshold, and allowed), at its candidate, as
-    1 / sum(exp(kept - chosen)): no separate max pass, and for an argmax the formula of PyTorch's softmax maximum
-    (exp(0) = 1 over the sum). A candidate ~88 below the maximum overflows the sum to inf: probability 0; a row
-    with nothing allowed above -inf gets NaN. The sum is `kept_mass`'s, whose terms are added in the same order in
-    any batch, from bf16 logits and a mask (the greedy branch) as from their masked float32 copy (the other)."""
-    batch, window, vocab = logits.shape
-    chosen = jnp.take_along_axis(_masked(logits, allowed), candidates[..., None], axis=-1)
-    mass = kept_mass(logits.reshape(-1, vocab), threshold.reshape(-1), chosen.reshape(-1), allowed)
-    return 1.0 / mass.reshape(batch, window)
+def _confidence(logits, segments, candidates, allowed=None):
+    """softmax over each row's kept logits at its candidate, as 1 / (the kept mass at the candidate's logit): for an
+    argmax the formula of PyTorch's softmax maximum (exp(0) = 1 over the sum). A candidate ~88 below the maximum
+    overflows the sum to inf: probability 0; a row with nothing allowed above -inf gets NaN."""
+    batch, window, _ = logits.shape
+    # gathered, then masked: a masked float32 copy of the logits feeding the gather would be written out whole
+    chosen = jnp.take_along_axis(logits, candidates[..., None], axis=-1)[..., 0].astype(jnp.float32)
+    if allowed is not None:
+        chosen = jnp.where(allowed[candidates], chosen, -jnp.inf)
+    return 1.0 / segments.row_mass(chosen.reshape(-1)).reshape(batch, window)
 
 
 def _greedy_proposals(logits, allowed):
-    """The argmax and its softmax probability, in two passes over the logits (argmax, then a sum of exponentials)."""
-    batch, window, _ = logits.shape
-    candidates = jnp.argmax(_masked(logits, allowed), axis=-1)
-    return candidates, _probability_of(logits, candidates, jnp.zeros((batch, window), jnp.uint32), allowed)
+    """The argmax and its softmax probability, from one read of the logits."""
+    batch, window, vocab = logits.shape
+    segments = kept_segments(logits.reshape(-1, vocab), allowed=allowed)
+    candidates = segments.row_argmax().reshape(batch, window)
+    return candidates, _confidence(logits, segments, candidates, allowed)
 
 
 def _sampled_proposals(logits, seeds, positions, steps, temperature, top_k, top_p):
@@ -80,30 +81,34 @@ def _sampled_proposals(logits, seeds, positions, steps, temperature, top_k, top_
         needs_filter,
         lambda s: filter_threshold(s.reshape(-1, vocab), rows(top_k), rows(top_p)).reshape(batch, window),
         lambda s: jnp.zeros((batch, window), jnp.uint32), scaled)
-    filtered = jnp.where(order_keys(scaled) >= threshold[..., None], scaled, -jnp.inf)
+    # a greedy row's argmax and every row's kept mass come from the segments, as in the greedy branch
+    segments = kept_segments(scaled.reshape(-1, vocab), threshold.reshape(-1))
+    argmax = segments.row_argmax().reshape(batch, window)
 
     def gumbel_argmax(s):
+        filtered = jnp.where(order_keys(s) >= threshold[..., None], s, -jnp.inf)
+
         def one(seed, position, step, row):
             key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), position), step)
-            return jnp.argmax(row + jax.random.gumbel(key, (vocab,), jnp.float32))
-        sampled = jax.vmap(jax.vmap(one, in_axes=(None, 0, 0, 0)))(seeds, positions, steps, s)
-        return jnp.where(greedy[:, None], jnp.argmax(s, axis=-1), sampled)
+            return jnp.argmax(row + jax.random.gumbel(key, (vocab,), jnp.float32)).astype(jnp.int32)
+        return jax.vmap(jax.vmap(one, in_axes=(None, 0, 0, 0)))(seeds, positions, steps, filtered)
 
     # greedy rows with a top-k / top-p filter come here too: draw noise only when some row samples
-    candidates = jax.lax.cond(jnp.any(~greedy), gumbel_argmax, lambda s: jnp.argmax(s, axis=-1), filtered)
-    return candidates, _probability_of(scaled, candidates, threshold)
+    sampled = jax.lax.cond(jnp.any(~greedy), gumbel_argmax, lambda s: argmax, scaled)
+    candidates = jnp.where(greedy[:, None], argmax, sampled)
+    return candidates, _confidence(scaled, segments, candidates)
 
 
 def propose(logits, seeds, positions, steps, temperature, top_k, top_p, allowed=None):
     """A candidate token and its confidence for every position.
 
-    logits [B, Q, V], bfloat16 or float32 (each branch converts them to float32 itself: the greedy branch's passes
-    read bf16 logits directly, no float32 copy written); seeds u32[B]; positions, steps i32[B, Q]; temperature,
+    logits [B, Q, V], bfloat16 or float32 (each branch converts them to float32 itself: the greedy branch's one
+    pass reads bf16 logits directly, no float32 copy written); seeds u32[B]; positions, steps i32[B, Q]; temperature,
     top_p f32[B]; top_k i32[B]; allowed bool[V] (None: all) the token ids that may be proposed.
     Returns (candidates i32[B, Q], confidence f32[B, Q]): confidence is the candidate's probability under the
     distribution it was drawn from (temperature, top-k and top-p applied; plain softmax when greedy).
 
-    A batch of plain greedy requests (the common case) takes a branch of two passes over the logits; any
+    A batch of plain greedy requests (the common case) takes a branch of one pass over the logits; any
     sampling or filtering takes the general branch, which computes a greedy row's candidate and confidence from the
     same values in the same order, so a request's output does not depend on its batch. The mask is applied inside
     each branch: a masked copy as the branches' operand would be one more full write and read of the logits.

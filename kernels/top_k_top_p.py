@@ -17,11 +17,15 @@ kernel     each threshold is searched `bits` at a time from the top key bit: a s
            leave most SMs idle at 32 rows) and depend on the vocabulary alone, so a row's sums do not depend on
            its batch.
 
-kept_mass  the softmax denominator over what a row keeps (the sampler's confidences), by the same segment sums:
-           on the GPU, where XLA's reductions may add a row's terms in an order that depends on its batch.
+kept_segments  per row and segment of the vocabulary, over the logits a row keeps: the largest, the id of its
+           first occurrence, and the sum of exp(logit - largest) -- one read of the logits gives the sampler a
+           greedy row's argmax and any candidate's softmax probability. On the GPU every load of a segment is in
+           flight at once and its terms are added in an order fixed by the vocabulary alone, where XLA's
+           reductions may add a row's terms in an order that depends on its batch.
 """
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -89,21 +93,17 @@ def _sum_in_index_order(lanes):
     return jnp.sum(lanes)  # the one value
 
 
-def _segment_sums_kernel(logits_ref, active_ref, shift_ref, candidates_ref, *refs, chunk, segment, num_candidates,
-                         weighted, masked, index_order):
-    """For each candidate key c: the sum over the segment's logits with key >= c (and allowed, when masked: an
-    allowed ref i8[V] before the output) of 1 (a count) or, weighted, exp(logit - shift). One [chunk] accumulator
-    per candidate: a [chunk, candidates] one would make Triton move every step's keys through shared memory, with
-    barriers, to match its layout. Each accumulator's lanes are added by Triton's reduction, in an order that follows
-    the layout Triton picks for the loads (8 bf16 or 4 float32 values per thread), or with index_order by
-    `_sum_in_index_order`, the same for any operand dtypes."""
-    allowed_ref, sums_ref = refs if masked else (None, *refs)
+def _segment_sums_kernel(logits_ref, active_ref, shift_ref, candidates_ref, sums_ref, *, chunk, segment,
+                         num_candidates, weighted):
+    """For each candidate key c: the sum over the segment's logits with key >= c of 1 (a count) or, weighted,
+    exp(logit - shift). One [chunk] accumulator per candidate: a [chunk, candidates] one would make Triton move every
+    step's keys through shared memory, with barriers, to match its layout."""
     row, seg = pl.program_id(0), pl.program_id(1)
     candidates = [candidates_ref[row * num_candidates + c] for c in range(num_candidates)]
     shift = shift_ref[row]
 
     def accumulate(i, sums):
-        x, valid = _load(logits_ref, row, seg, i, chunk, segment, allowed_ref)
+        x, valid = _load(logits_ref, row, seg, i, chunk, segment)
         keys = order_keys(x)
         weights = jnp.exp(x - shift) if weighted else jnp.ones_like(x)
         return tuple(s + jnp.where((keys >= c) & valid, weights, 0.0) for s, c in zip(sums, candidates))
@@ -113,53 +113,83 @@ def _segment_sums_kernel(logits_ref, active_ref, shift_ref, candidates_ref, *ref
     steps = active_ref[row] * (segment // chunk)
     sums = lax.fori_loop(0, steps, accumulate, tuple(jnp.zeros((chunk,), jnp.float32) for _ in candidates))
     for c, s in enumerate(sums):
-        sums_ref[(row * pl.num_programs(1) + seg) * num_candidates + c] = (
-            _sum_in_index_order(s) if index_order else jnp.sum(s))
+        sums_ref[(row * pl.num_programs(1) + seg) * num_candidates + c] = jnp.sum(s)
+
+
+def _kept_segments_kernel(logits_ref, *refs, chunk, segment, thresholded, masked):
+    """One (row, segment): its kept logits' maximum, the first id holding it, and the sum of exp(logit - maximum).
+    The segment's chunks are loaded unrolled, all in flight at once and each read once, then kept in registers for
+    the three results; lane i of the accumulator adds chunk after chunk, and the lanes add as a tree over their
+    indices: one order whatever the operand's dtype (Triton lays out bf16 and float32 loads differently) or batch."""
+    refs = list(refs)
+    threshold_ref = refs.pop(0) if thresholded else None
+    allowed_ref = refs.pop(0) if masked else None
+    maximum_ref, argmax_ref, mass_ref = refs
+    row, seg = pl.program_id(0), pl.program_id(1)
+    chunks = []
+    for i in range(segment // chunk):
+        x, valid = _load(logits_ref, row, seg, i, chunk, segment, allowed_ref)
+        if thresholded:  # without, ~7 fewer integer operations per logit in a pass bound by them and exp's
+            valid = valid & (order_keys(x) >= threshold_ref[row])
+        chunks.append(jnp.where(valid, x, -jnp.inf))
+    lane_maximum, lane_chunk = chunks[0], jnp.zeros((chunk,), jnp.int32)
+    for i, x in enumerate(chunks[1:], 1):
+        lane_chunk = jnp.where(x > lane_maximum, i, lane_chunk)  # strictly greater: ties keep the lower id
+        lane_maximum = jnp.maximum(lane_maximum, x)
+    maximum = jnp.max(lane_maximum)
+    ids = lane_chunk * chunk + lax.iota(jnp.int32, chunk)
+    first_id = jnp.min(jnp.where(lane_maximum == maximum, ids, segment))  # a segment of -inf: its first id
+    shift = jnp.where(maximum > -jnp.inf, maximum, 0.0)  # nothing kept: every term exp(-inf) = 0, not NaN
+    lanes = jnp.exp(chunks[0] - shift)
+    for x in chunks[1:]:
+        lanes = lanes + jnp.exp(x - shift)
+    out = row * pl.num_programs(1) + seg
+    maximum_ref[out] = maximum
+    argmax_ref[out] = seg * segment + first_id
+    mass_ref[out] = _sum_in_index_order(lanes)
 
 
 def _in_row_blocks(function, logits, *per_row, segment):
-    """function(logits, *per_row) on blocks of rows: offsets past _OFFSET_LIMIT (a row's last segment reaches up
-    to `segment` past the vocabulary) run as further calls, each row's result the same in any block."""
+    """function(logits, *per_row) -> arrays with rows first (or a tuple of them), on blocks of rows: offsets past
+    _OFFSET_LIMIT (a row's last segment reaches up to `segment` past the vocabulary) run as further calls, each row's
+    result the same in any block."""
     num_rows, vocab = logits.shape
     rows_per_call = (_OFFSET_LIMIT - segment) // vocab
     if rows_per_call == 0:
         raise ValueError(f"a vocabulary of {vocab} exceeds the kernel's 32-bit offsets")
     if num_rows <= rows_per_call:
         return function(logits, *per_row)
-    return jnp.concatenate([function(logits[start:start + rows_per_call], *(a[start:start + rows_per_call]
-                                                                            for a in per_row))
-                            for start in range(0, num_rows, rows_per_call)])
+    blocks = [function(logits[start:start + rows_per_call], *(a[start:start + rows_per_call] for a in per_row))
+              for start in range(0, num_rows, rows_per_call)]
+    return jax.tree.map(lambda *parts: jnp.concatenate(parts), *blocks)
 
 
-def _segment_call(kernel, out_size, logits, *operands, chunk, segment, interpret, **params):
-    """kernel over a grid of (row, segment of the vocabulary) -> f32[out_size]."""
+def _segment_call(kernel, out_shape, logits, *operands, chunk, segment, interpret, num_warps=4, **params):
+    """kernel over a grid of (row, segment of the vocabulary) -> out_shape (per (row, segment) results, flat)."""
     num_rows, vocab = logits.shape
     raw = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
         functools.partial(kernel, chunk=chunk, segment=segment, **params),
-        out_shape=jax.ShapeDtypeStruct((out_size,), jnp.float32),
+        out_shape=out_shape,
         grid=(num_rows, pl.cdiv(vocab, segment)),
         in_specs=[raw] * (1 + len(operands)),
-        out_specs=raw,
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        out_specs=jax.tree.map(lambda _: raw, out_shape),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="top_k_top_p_" + kernel.__name__.strip("_").removesuffix("_kernel"),
     )(logits, *operands)
 
 
-def _segment_sums(logits, active, shift, candidates, *, weighted, allowed=None, index_order=False, chunk, segment,
-                  interpret):
+def _segment_sums(logits, active, shift, candidates, *, weighted, chunk, segment, interpret):
     """[N, V] logits, active bool[N], shift f32[N], candidates u32[N, C] -> f32[N, C] (see _segment_sums_kernel),
     the segments' sums added one after another: each row's sums depend on that row alone (a reduction's order may
     change with the number of rows), so a request draws the same in any batch."""
     num_rows, vocab = logits.shape
     num_segments, num_candidates = pl.cdiv(vocab, segment), candidates.shape[1]
-    operands = [active.astype(jnp.int32), shift, candidates.reshape(-1)]
-    if allowed is not None:
-        operands.append(allowed.astype(jnp.int8))
-    partials = _segment_call(_segment_sums_kernel, num_rows * num_segments * num_candidates, logits, *operands,
-                             num_candidates=num_candidates, weighted=weighted, masked=allowed is not None,
-                             index_order=index_order, chunk=chunk, segment=segment, interpret=interpret)
+    out_shape = jax.ShapeDtypeStruct((num_rows * num_segments * num_candidates,), jnp.float32)
+    partials = _segment_call(_segment_sums_kernel, out_shape, logits, active.astype(jnp.int32), shift,
+                             candidates.reshape(-1), num_candidates=num_candidates, weighted=weighted, chunk=chunk,
+                             segment=segment, interpret=interpret)
     partials = partials.reshape(num_rows, num_segments, num_candidates)
     return functools.reduce(jnp.add, (partials[:, s] for s in range(num_segments)))
 
@@ -193,7 +223,8 @@ def _filter_threshold_pallas(logits, top_k, top_p, *, chunk, segment, bits, inte
             answer = answer | (jnp.sum(passed, axis=1, dtype=jnp.uint32) << shift_bits)
         return jnp.where(active, answer, jnp.uint32(0))
 
-    maximum = jnp.max(_segment_call(_segment_maximum_kernel, num_rows * pl.cdiv(vocab, segment), logits, **tiling)
+    out_shape = jax.ShapeDtypeStruct((num_rows * pl.cdiv(vocab, segment),), jnp.float32)
+    maximum = jnp.max(_segment_call(_segment_maximum_kernel, out_shape, logits, **tiling)
                       .reshape(num_rows, -1), axis=1)
     maximum = jnp.where(jnp.isfinite(maximum), maximum, 0.0)  # a row of -inf has no exponent to subtract
     # counts of up to 2^24 are exact in float32
@@ -237,34 +268,77 @@ def filter_threshold(logits, top_k, top_p, *, impl="auto", chunk=1024, segment=8
     return _dispatch(impl, pallas, filter_threshold_reference, logits, top_k, top_p)
 
 
-def kept_mass_reference(logits, threshold, shift, allowed=None):
-    """logits [N, V], threshold u32[N], shift f32[N], allowed bool[V] or None -> f32[N] (XLA's sum)."""
-    x = logits.astype(jnp.float32)
-    kept = order_keys(x) >= threshold[:, None]
-    if allowed is not None:
-        kept = kept & allowed
-    return jnp.sum(jnp.where(kept, jnp.exp(x - shift[:, None]), 0.0), axis=-1)
+class KeptSegments(NamedTuple):
+    """Per row and segment of the vocabulary, over the logits the row keeps (-inf and 0 where it keeps none)."""
+    maximum: jax.Array  # f32[N, S] the largest
+    argmax: jax.Array  # i32[N, S] the first id holding it
+    mass: jax.Array  # f32[N, S] the sum of exp(logit - maximum)
+
+    def row_argmax(self):
+        """i32[N]: the first id holding the row's largest kept logit (as jnp.argmax over the kept logits)."""
+        first_segment = jnp.argmax(self.maximum, axis=1)
+        return jnp.take_along_axis(self.argmax, first_segment[:, None], axis=1)[:, 0]
+
+    def row_mass(self, shift):
+        """f32[N]: the sum of exp(logit - shift) over the row's kept logits, the segments added one after another
+        (an order of the vocabulary's alone). A shift ~88 below the maximum overflows it to inf; a shift of -inf
+        (a row that keeps only -inf) gives NaN."""
+        terms = jnp.exp(self.maximum - shift[:, None]) * self.mass  # a segment keeping nothing: 0 * 0
+        return functools.reduce(jnp.add, (terms[:, s] for s in range(terms.shape[1])))
 
 
-def kept_mass(logits, threshold, shift, allowed=None, *, impl="auto", chunk=1024, segment=8192, interpret=False):
-    """logits [N, V] (float32 or bfloat16), threshold u32[N] keys, shift f32[N], allowed bool[V] or None -> f32[N]:
-    each row's sum of exp(logit - shift) over the logits it keeps (key >= threshold, and allowed): the denominator
-    of a softmax over what the filters keep.
+def _kept_logits(logits, threshold, allowed):
+    if threshold is not None:
+        logits = jnp.where(order_keys(logits) >= threshold[:, None], logits, -jnp.inf)
+    return logits if allowed is None else jnp.where(allowed, logits, -jnp.inf)
 
-    On the GPU ("auto") the kernel of the filters' top-p passes sums it, each row's terms added in an order fixed
-    by the vocabulary alone, whatever the batch and whether the logits come as bf16 with a mask or as their masked
-    float32 copy. XLA's reduction promises no order: with XLA summing it the sampler's batch-invariance tests
-    failed on the H200, with this kernel they pass (engine runs 15-16), and a confidence that moves with the batch
-    can move a request's commits. Elsewhere XLA sums it. chunk, segment: as filter_threshold's.
+
+def kept_segments_reference(logits, threshold=None, allowed=None, *, segment):
+    """XLA's reductions over the logits reshaped to [N, S, segment] (padded with -inf)."""
+    num_rows, vocab = logits.shape
+    num_segments = pl.cdiv(vocab, segment)
+    x = _kept_logits(logits.astype(jnp.float32), threshold, allowed)
+    x = jnp.pad(x, ((0, 0), (0, num_segments * segment - vocab)), constant_values=-jnp.inf)
+    x = x.reshape(num_rows, num_segments, segment)
+    maximum = jnp.max(x, axis=-1)
+    shift = jnp.where(maximum > -jnp.inf, maximum, 0.0)
+    argmax = jnp.argmax(x, axis=-1).astype(jnp.int32) + jnp.arange(num_segments, dtype=jnp.int32) * segment
+    return KeptSegments(maximum, argmax, jnp.sum(jnp.exp(x - shift[..., None]), axis=-1))
+
+
+def kept_segments(logits, threshold=None, allowed=None, *, impl="auto", chunk=1024, segment=8192, num_warps=4,
+                  interpret=False):
+    """logits [N, V] (float32 or bfloat16), threshold u32[N] keys or None (keep all), allowed bool[V] or None ->
+    KeptSegments over the logits with key >= threshold (and allowed), in one read of the logits.
+
+    The sampler's confidences are softmax probabilities: with segments from the same logits, a row's argmax and
+    its kept mass are bit for bit the same in any batch and from bf16 logits with a mask (its greedy branch) as
+    from their masked float32 copy (its other branch). A confidence that moved with the batch could move a
+    request's commits (XLA's sum there failed the sampler's batch-invariance tests on the H200, engine runs 15-16).
+    impl: as filter_threshold's; chunk: logits per load; segment: logits per program, loaded at once (a
+    power-of-two multiple of chunk, at most 16 chunks: all in registers); num_warps: per program. H200, 157184
+    logits, bf16 with a mask (runs/s19/sampler_fused.py): chunk 1024, segment 8192, 4 warps was the fastest tiling
+    tried at 1024, 256 and 32 rows (segment 4096 4-5% slower, 8 warps 25-50% slower).
     """
     _check_tiling(chunk, segment)
-    tiling = dict(chunk=chunk, segment=segment, interpret=interpret)
+    if segment > 16 * chunk:
+        raise ValueError(f"segment {segment} holds more than 16 chunks of {chunk}: too many registers")
+    per_row = () if threshold is None else (threshold,)
 
-    def pallas(logits, threshold, shift):  # allowed is [V], the same for every block of rows
-        # index order: the sampler's two branches hand over bf16 logits and a mask, or a float32 copy (the filters,
-        # whose operand is always float32, keep Triton's cheaper reduction)
-        return _segment_sums(logits, jnp.ones_like(threshold, bool), shift, threshold[:, None], weighted=True,
-                             allowed=allowed, index_order=True, **tiling)[:, 0]
+    def pallas(logits, *per_row):  # allowed is [V], the same for every block of rows
+        num_rows, vocab = logits.shape
+        size = num_rows * pl.cdiv(vocab, segment)
+        operands = [*per_row] + ([] if allowed is None else [allowed.astype(jnp.int8)])
+        out_shape = (jax.ShapeDtypeStruct((size,), jnp.float32), jax.ShapeDtypeStruct((size,), jnp.int32),
+                     jax.ShapeDtypeStruct((size,), jnp.float32))
+        results = _segment_call(_kept_segments_kernel, out_shape, logits, *operands, thresholded=bool(per_row),
+                                masked=allowed is not None, chunk=chunk, segment=segment, num_warps=num_warps,
+                                interpret=interpret)
+        return tuple(r.reshape(num_rows, -1) for r in results)
 
-    return _dispatch(impl, functools.partial(_in_row_blocks, pallas, segment=segment),
-                     functools.partial(kept_mass_reference, allowed=allowed), logits, threshold, shift)
+    def reference(logits, *per_row):
+        return tuple(kept_segments_reference(logits, *per_row or (None,), allowed, segment=segment))
+
+    segments = _dispatch(impl, functools.partial(_in_row_blocks, pallas, segment=segment), reference,
+                         logits, *per_row)
+    return KeptSegments(*segments)

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
 from jaxllm.kernels import top_k_top_p
-from jaxllm.kernels.top_k_top_p import filter_threshold, kept_mass, order_keys
+from jaxllm.kernels.top_k_top_p import filter_threshold, kept_segments, order_keys
 
 
 def _kept(thresholds, logits, top_k, top_p):
@@ -162,59 +162,102 @@ def test_rejects_bad_settings():
 
 
 ON_GPU = jax.default_backend() == "gpu"
-KEPT_MASS_IMPLS = [dict(impl="reference"), dict(impl="pallas", interpret=not ON_GPU, chunk=64, segment=128)]
+SEGMENT_IMPLS = [dict(impl="reference", chunk=64, segment=128),
+                 dict(impl="pallas", interpret=not ON_GPU, chunk=64, segment=128),
+                 dict(impl="pallas", interpret=not ON_GPU, chunk=32, segment=512)]  # 16 chunks, unrolled
 
 
-@pytest.mark.parametrize("kwargs", KEPT_MASS_IMPLS, ids=["reference", "pallas"])
+@pytest.mark.parametrize("kwargs", SEGMENT_IMPLS, ids=["reference", "pallas", "pallas16"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("vocab", [128, 300, 1000])
-def test_kept_mass_sums_the_exponentials_of_what_a_row_keeps(kwargs, dtype, vocab):
-    """Per row: the sum of exp(logit - shift) over the logits at or above its threshold and allowed, against float64;
-    rows with no threshold (0), with -inf logits, a shift at the maximum and one below it (terms above 1)."""
+def test_kept_segments_hold_each_segments_maximum_first_argmax_and_mass(kwargs, dtype, vocab):
+    """Per (row, segment), over the logits at or above the row's threshold and allowed, against float64: the maximum
+    and the first id holding it exactly, the sum of exp(logit - maximum); and per row the argmax (ties to the lowest
+    id) and the mass at the maximum and below it (terms above 1). Rows: no threshold (0), ties in and across
+    segments, -inf logits, a threshold keeping 3, one keeping half, one keeping the last logit only."""
     rng = np.random.default_rng(vocab)
-    logits = np.array(jnp.asarray(rng.normal(size=(5, vocab)) * 3, dtype).astype(jnp.float32))
+    logits = np.array(jnp.asarray(rng.normal(size=(6, vocab)) * 3, dtype).astype(jnp.float32))
+    logits[1, [vocab - 1, 67, 5, 3]] = logits[1].max() + 1.0  # ties, two in one lane (3, 67): the first is id 3
     logits[2, ::5] = -np.inf
     allowed = rng.random(vocab) < 0.8
-    kth = np.sort(logits, axis=1)[:, ::-1][np.arange(5), [0, 3, 20, vocab // 2, vocab - 1]]
+    allowed[[3, 5, 67]] = True
+    kth = np.sort(logits, axis=1)[:, ::-1][np.arange(6), [0, 0, 20, 2, vocab // 2, vocab - 1]]
     threshold = np.array(order_keys(jnp.asarray(kth)))
-    threshold[1] = 0
-    shift = logits.max(axis=1)
-    shift[3] = np.median(logits[3])
-    mass = jax.jit(functools.partial(kept_mass, **kwargs))
+    threshold[[0, 1]] = 0
+    segments_of = jax.jit(functools.partial(kept_segments, **kwargs))
+    segment = kwargs["segment"]
     for mask in (None, allowed):
-        got = np.asarray(mass(jnp.asarray(logits, dtype), jnp.asarray(threshold), jnp.asarray(shift, jnp.float32),
-                              None if mask is None else jnp.asarray(mask)))
+        got = segments_of(jnp.asarray(logits, dtype), jnp.asarray(threshold), None if mask is None else
+                          jnp.asarray(mask))
         keep = (logits >= np.where(threshold == 0, -np.inf, kth)[:, None]) & (True if mask is None else mask)
-        expected = np.where(keep, np.exp(logits.astype(np.float64) - shift[:, None]), 0.0).sum(axis=1)
-        np.testing.assert_allclose(got, expected, rtol=2e-6, err_msg=f"allowed={mask is not None}")
+        kept = np.where(keep, logits.astype(np.float64), -np.inf)
+        padded = np.pad(kept, ((0, 0), (0, -vocab % segment)), constant_values=-np.inf).reshape(6, -1, segment)
+        maximum = padded.max(axis=-1)
+        np.testing.assert_array_equal(np.asarray(got.maximum), maximum)
+        np.testing.assert_array_equal(np.asarray(got.argmax),
+                                      padded.argmax(axis=-1) + np.arange(padded.shape[1]) * segment)
+        shift = np.where(np.isfinite(maximum), maximum, 0.0)
+        np.testing.assert_allclose(np.asarray(got.mass), np.exp(padded - shift[..., None]).sum(-1), rtol=2e-6)
+        np.testing.assert_array_equal(np.asarray(got.row_argmax()), kept.argmax(axis=1))
+        assert mask is not None or int(got.row_argmax()[1]) == 3
+        for shift in (kept.max(axis=1), np.median(logits, axis=1)):
+            np.testing.assert_allclose(np.asarray(got.row_mass(jnp.asarray(shift, jnp.float32))),
+                                       np.exp(kept - shift[:, None]).sum(axis=1), rtol=2e-6)
 
 
-def test_kept_mass_of_a_row_is_the_same_in_any_batch_and_from_either_operand(monkeypatch):
-    """A row's sum, bit for bit: alone, in a batch, in blocks of rows (past the kernel's int32 offsets), and from
-    bf16 logits with a mask (the sampler's greedy branch) or from their masked float32 copy (its other branch), whose
-    loads Triton lays out differently: a confidence that moved with any of these could move a request's commits."""
+@pytest.mark.parametrize("kwargs", SEGMENT_IMPLS[:2], ids=["reference", "pallas"])
+def test_a_row_keeping_nothing_has_no_finite_confidence_and_its_empty_segments_add_nothing(kwargs):
+    """A segment whose logits are all -inf or not allowed: maximum -inf, its first id, mass 0 (not NaN), so the
+    row's mass is its other segments'; a row with nothing kept above -inf has a NaN mass at its -inf maximum."""
+    logits = np.random.default_rng(4).normal(size=(2, 300)).astype(np.float32)
+    logits[0, 128:256] = -np.inf
+    logits[1] = -np.inf
+    got = jax.jit(functools.partial(kept_segments, **kwargs))(jnp.asarray(logits), jnp.zeros(2, jnp.uint32))
+    assert float(got.maximum[0, 1]) == -np.inf and int(got.argmax[0, 1]) == 128 and float(got.mass[0, 1]) == 0.0
+    kept = np.delete(logits[0], np.s_[128:256]).astype(np.float64)
+    mass = got.row_mass(jnp.asarray([logits[0].max(), -np.inf], jnp.float32))
+    assert float(mass[0]) == pytest.approx(np.exp(kept - kept.max()).sum(), rel=2e-6)
+    assert np.isnan(float(mass[1])) and int(got.row_argmax()[1]) == 0
+
+
+def test_kept_segments_of_a_row_are_the_same_in_any_batch_and_from_either_operand(monkeypatch):
+    """A row's segments, bit for bit: alone, in a batch, in blocks of rows (past the kernel's int32 offsets), and
+    from bf16 logits with a mask (the sampler's greedy branch) or from their masked float32 copy (its other branch),
+    whose loads Triton lays out differently, and without a threshold (the greedy branch) as with threshold 0: a
+    confidence that moved with any of these could move a request's commits."""
     rng = np.random.default_rng(3)
     vocab = 1000
     logits = jnp.asarray(rng.normal(size=(6, vocab)) * 4, jnp.bfloat16)
     allowed = jnp.asarray(rng.random(vocab) < 0.9)
     masked_f32 = jnp.where(allowed, logits.astype(jnp.float32), -jnp.inf)
     threshold = jnp.asarray([0, 0, 3_000_000_000, 0, 3_200_000_000, 0], jnp.uint32)
-    shift = jnp.max(masked_f32, axis=1) - jnp.asarray([0.0, 1.0, 0.0, 2.5, 0.0, 0.0])
     tiling = dict(impl="pallas", interpret=not ON_GPU, chunk=64, segment=256)
-    with_mask = jax.jit(functools.partial(kept_mass, allowed=allowed, **tiling))
-    copy = jax.jit(functools.partial(kept_mass, **tiling))
-    together = np.asarray(with_mask(logits, threshold, shift))
-    np.testing.assert_array_equal(np.asarray(copy(masked_f32, threshold, shift)), together)
+    with_mask = jax.jit(functools.partial(kept_segments, allowed=allowed, **tiling))
+    copy = jax.jit(functools.partial(kept_segments, **tiling))
+
+    def assert_same(got, want, message=""):
+        for name, a, b in zip(want._fields, got, want):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{name} {message}")
+
+    together = with_mask(logits, threshold)
+    assert_same(copy(masked_f32, threshold), together, "float32 copy")
+    unfiltered = np.asarray(threshold) == 0  # no threshold (the greedy branch) as threshold 0 (the other's)
+    assert_same(with_mask(logits[unfiltered]), type(together)(*(a[unfiltered] for a in together)), "no threshold")
     for row in range(6):
-        alone = with_mask(logits[row:row + 1], threshold[row:row + 1], shift[row:row + 1])
-        assert np.asarray(alone)[0] == together[row], f"row {row}"
+        alone = with_mask(logits[row:row + 1], threshold[row:row + 1])
+        assert_same(alone, type(together)(*(a[row:row + 1] for a in together)), f"row {row}")
     monkeypatch.setattr(top_k_top_p, "_OFFSET_LIMIT", 4 * vocab + 256)  # 4 rows per call: blocks of 4 and 2
-    blocks = jax.jit(functools.partial(kept_mass, allowed=allowed, **tiling))
-    np.testing.assert_array_equal(np.asarray(blocks(logits, threshold, shift)), together)
+    blocks = jax.jit(functools.partial(kept_segments, allowed=allowed, **tiling))
+    assert_same(blocks(logits, threshold), together, "blocks")
+
+
+def test_kept_segments_reject_a_segment_of_more_than_16_chunks():
+    with pytest.raises(ValueError, match="16 chunks"):
+        kept_segments(jnp.zeros((2, 64)), jnp.zeros(2, jnp.uint32), chunk=32, segment=1024)
 
 
 def test_lanes_add_as_a_tree_over_their_indices():
-    """kept_mass adds each accumulator's lanes neighbours first, by index: bit for bit that tree, whatever layout
+    """kept_segments adds its lanes neighbours first, by index: bit for bit that tree, whatever layout
     Triton gives the lanes (a plain reduction's order follows the layout, which follows the operands' dtypes)."""
     lanes = np.random.default_rng(0).lognormal(sigma=3.0, size=1024).astype(np.float32)
     tree = lanes
