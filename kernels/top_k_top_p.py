@@ -139,6 +139,7 @@ def _kept_segments_kernel(logits_ref, *refs, chunk, segment, thresholded, masked
     maximum = jnp.max(lane_maximum)
     ids = lane_chunk * chunk + lax.iota(jnp.int32, chunk)
     first_id = jnp.min(jnp.where(lane_maximum == maximum, ids, segment))  # a segment of -inf: its first id
+    first_id = jnp.where(first_id < segment, first_id, 0)  # NaN matches nothing: an id still in the vocabulary
     shift = jnp.where(maximum > -jnp.inf, maximum, 0.0)  # nothing kept: every term exp(-inf) = 0, not NaN
     lanes = jnp.exp(chunks[0] - shift)
     for x in chunks[1:]:
@@ -269,7 +270,9 @@ def filter_threshold(logits, top_k, top_p, *, impl="auto", chunk=1024, segment=8
 
 
 class KeptSegments(NamedTuple):
-    """Per row and segment of the vocabulary, over the logits the row keeps (-inf and 0 where it keeps none)."""
+    """Per row and segment of the vocabulary, over the logits the row keeps (-inf and 0 where it keeps none). NaN
+    logits give an argmax somewhere in the vocabulary and a NaN mass (on the GPU the maximum skips NaN; XLA's
+    reference takes it)."""
     maximum: jax.Array  # f32[N, S] the largest
     argmax: jax.Array  # i32[N, S] the first id holding it
     mass: jax.Array  # f32[N, S] the sum of exp(logit - maximum)

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
 from jaxllm import sampling
-from jaxllm.kernels.top_k_top_p import filter_threshold
+from jaxllm.kernels.top_k_top_p import filter_threshold, kept_segments
 from jaxllm.sampling import SamplingParams, propose
 
 
@@ -119,12 +119,23 @@ def _beside(logits, neighbour, dtype, allowed):
     return [np.asarray(a[0]) for a in alone], [np.asarray(m[1]) for m in mixed]
 
 
+def _segments_from(segments, monkeypatch):
+    """"kernel": the sampler's segment pass as the Pallas kernel on every platform (interpret mode off the GPU), so
+    the combine runs over the kernel's own results on the CPU too; "auto": the platform's."""
+    if segments == "kernel":
+        monkeypatch.setattr(sampling, "kept_segments", functools.partial(
+            kept_segments, impl="pallas", interpret=jax.default_backend() != "gpu", chunk=1024, segment=8192))
+
+
+@pytest.mark.parametrize("segments", ["auto", "kernel"])
 @pytest.mark.parametrize("neighbour", [dict(temperature=1.0), dict(top_k=50), dict(top_p=0.9)])
 @pytest.mark.parametrize("dtype, masked", [(jnp.float32, False), (jnp.bfloat16, True)], ids=["f32", "bf16_masked"])
-def test_a_greedy_row_gets_the_same_proposal_beside_a_sampling_or_filtering_row(neighbour, dtype, masked):
+def test_a_greedy_row_gets_the_same_proposal_beside_a_sampling_or_filtering_row(neighbour, dtype, masked, segments,
+                                                                                monkeypatch):
     """Plain greedy batches take their own branch; a greedy row in a batch that samples or filters must get the same
     bits (a 32k vocabulary: there the float32 cumulative mass reaches 1 before the tail ends), also as the engine
     calls it: bf16 logits, which the greedy branch reads with the token mask and the other as a masked float32 copy."""
+    _segments_from(segments, monkeypatch)
     vocab = 32768
     logits = np.random.default_rng(2).normal(size=(1, 8, vocab)) * 4
     allowed = np.arange(vocab) % 11 != 3 if masked else None
@@ -134,9 +145,11 @@ def test_a_greedy_row_gets_the_same_proposal_beside_a_sampling_or_filtering_row(
     np.testing.assert_array_equal(mixed_confidence, alone_confidence)
 
 
-def test_a_row_with_nothing_allowed_above_minus_inf_gets_no_infinite_confidence():
+@pytest.mark.parametrize("segments", ["auto", "kernel"])
+def test_a_row_with_nothing_allowed_above_minus_inf_gets_no_infinite_confidence(segments, monkeypatch):
     """Both branches take such a row's argmax as -inf (its confidence NaN), not a disallowed id's finite logit
     (whose confidence would be inf: the most confident position of its window)."""
+    _segments_from(segments, monkeypatch)
     logits = np.full((1, 4, 64), -np.inf)
     logits[..., :3] = 2.0  # only disallowed ids are finite
     (_, alone), (_, mixed) = _beside(logits, dict(temperature=1.0), jnp.float32, np.arange(64) >= 3)

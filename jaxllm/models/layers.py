@@ -93,8 +93,9 @@ def router_matmul(x, pieces):
 
     bf16 x (LLaDA2's router reads the bf16 hidden states): one bf16 GEMM by the pieces with float32 accumulation;
     each product is exact, and the error is float32 rounding in the additions (about twice IEEE float32's against a
-    float64 product in the tests: three partial sums round separately). The same arithmetic at every row count, so
-    batch 1 and larger batches route a token alike. float32 x (float32 models): w = hi + mid + lo (exact) and an
+    float64 product in the tests: three partial sums round separately). Every row count multiplies by the pieces;
+    XLA may still pick a different GEMM (and order of additions) per row count, so batch 1 and larger batches give a
+    token the same logits up to float32 rounding. float32 x (float32 models): w = hi + mid + lo (exact) and an
     IEEE float32 product, as `matmul`.
     The pieces are cut when the weights load, not in each forward. H200, the router alone (runs/s19/router_probe.py,
     2026-12-01, us per layer, 19 layers; float32 / cut in each call / cut beforehand): 32 rows 7.20 / 7.19 / 7.79,

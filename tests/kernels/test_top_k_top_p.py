@@ -174,14 +174,14 @@ def test_kept_segments_hold_each_segments_maximum_first_argmax_and_mass(kwargs, 
     """Per (row, segment), over the logits at or above the row's threshold and allowed, against float64: the maximum
     and the first id holding it exactly, the sum of exp(logit - maximum); and per row the argmax (ties to the lowest
     id) and the mass at the maximum and below it (terms above 1). Rows: no threshold (0), ties in and across
-    segments, -inf logits, a threshold keeping 3, one keeping half, one keeping the last logit only."""
+    segments, -inf logits, a threshold keeping 3, one keeping half, one keeping the largest only."""
     rng = np.random.default_rng(vocab)
     logits = np.array(jnp.asarray(rng.normal(size=(6, vocab)) * 3, dtype).astype(jnp.float32))
     logits[1, [vocab - 1, 67, 5, 3]] = logits[1].max() + 1.0  # ties, two in one lane (3, 67): the first is id 3
     logits[2, ::5] = -np.inf
     allowed = rng.random(vocab) < 0.8
     allowed[[3, 5, 67]] = True
-    kth = np.sort(logits, axis=1)[:, ::-1][np.arange(6), [0, 0, 20, 2, vocab // 2, vocab - 1]]
+    kth = np.sort(logits, axis=1)[:, ::-1][np.arange(6), [0, 0, 20, 2, vocab // 2, 0]]
     threshold = np.array(order_keys(jnp.asarray(kth)))
     threshold[[0, 1]] = 0
     segments_of = jax.jit(functools.partial(kept_segments, **kwargs))
@@ -226,12 +226,13 @@ def test_kept_segments_of_a_row_are_the_same_in_any_batch_and_from_either_operan
     whose loads Triton lays out differently, and without a threshold (the greedy branch) as with threshold 0: a
     confidence that moved with any of these could move a request's commits."""
     rng = np.random.default_rng(3)
-    vocab = 1000
+    vocab = 5000
     logits = jnp.asarray(rng.normal(size=(6, vocab)) * 4, jnp.bfloat16)
     allowed = jnp.asarray(rng.random(vocab) < 0.9)
     masked_f32 = jnp.where(allowed, logits.astype(jnp.float32), -jnp.inf)
     threshold = jnp.asarray([0, 0, 3_000_000_000, 0, 3_200_000_000, 0], jnp.uint32)
-    tiling = dict(impl="pallas", interpret=not ON_GPU, chunk=64, segment=256)
+    # 1024-logit chunks: at 64 Triton happened to lay out bf16 and float32 loads alike, and a plain lane sum passed
+    tiling = dict(impl="pallas", interpret=not ON_GPU, chunk=1024, segment=2048)
     with_mask = jax.jit(functools.partial(kept_segments, allowed=allowed, **tiling))
     copy = jax.jit(functools.partial(kept_segments, **tiling))
 
@@ -246,9 +247,23 @@ def test_kept_segments_of_a_row_are_the_same_in_any_batch_and_from_either_operan
     for row in range(6):
         alone = with_mask(logits[row:row + 1], threshold[row:row + 1])
         assert_same(alone, type(together)(*(a[row:row + 1] for a in together)), f"row {row}")
-    monkeypatch.setattr(top_k_top_p, "_OFFSET_LIMIT", 4 * vocab + 256)  # 4 rows per call: blocks of 4 and 2
+    monkeypatch.setattr(top_k_top_p, "_OFFSET_LIMIT", 4 * vocab + 2048)  # 4 rows per call: blocks of 4 and 2
     blocks = jax.jit(functools.partial(kept_segments, allowed=allowed, **tiling))
     assert_same(blocks(logits, threshold), together, "blocks")
+
+
+@pytest.mark.parametrize("kwargs", SEGMENT_IMPLS[:2], ids=["reference", "pallas"])
+def test_nan_logits_give_an_id_in_the_vocabulary_and_a_nan_mass(kwargs):
+    """A broken model's NaN logits: whatever the argmax, it names a token (an id past the vocabulary would reach the
+    tokenizer), and the confidence is NaN. Rows: all NaN; a last (partial) segment of NaN; one NaN."""
+    logits = np.random.default_rng(5).normal(size=(3, 300)).astype(np.float32)
+    logits[0] = np.nan
+    logits[1, 256:] = np.nan
+    logits[2, 10] = np.nan
+    got = jax.jit(functools.partial(kept_segments, **kwargs))(jnp.asarray(logits))
+    assert ((np.asarray(got.argmax) >= 0) & (np.asarray(got.argmax) < 300)).all()
+    assert ((np.asarray(got.row_argmax()) >= 0) & (np.asarray(got.row_argmax()) < 300)).all()
+    assert np.isnan(np.asarray(got.row_mass(jnp.zeros(3, jnp.float32)))).all()
 
 
 def test_kept_segments_reject_a_segment_of_more_than_16_chunks():
