@@ -18,6 +18,7 @@ from flax import nnx
 from safetensors import safe_open
 
 from jaxllm.config import ConfigError
+from jaxllm.quantization import cut_router_weight
 
 
 class CheckpointError(ConfigError):
@@ -188,7 +189,6 @@ def random_weights(abstract_model: nnx.Module, seed: int = 0, std: float = 0.02,
         elif path.endswith("expert_bias"):
             filled[path] = jnp.abs(make(key, struct.shape, struct.dtype))
         elif path.endswith("router_pieces"):  # a float32 weight [H, E] cut into its bf16 pieces [H, 3E]
-            from jaxllm.models.layers import cut_router_weight  # here: jaxllm.models imports this module
             filled[path] = cut_router_weight(make(key, (*struct.shape[:-1], struct.shape[-1] // 3), jnp.float32))
         else:
             filled[path] = make(key, struct.shape, struct.dtype)

@@ -12,6 +12,9 @@ after accumulating.
 
 `channel_major=True` stores the values as [..., N, K] instead: each output channel's K values contiguous, the
 layout the MoE kernels read 1-byte tiles fastest from (kernels/moe.py); the weight's logical shape stays [..., K, N].
+
+`cut_router_weight` goes the other way, losslessly: a float32 weight as three bf16 pieces that sum to it, so a bf16
+GEMM with float32 accumulation multiplies by it to float32 accuracy (LLaDA2's router, models/layers.py).
 """
 
 import dataclasses
@@ -19,6 +22,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 QUANTIZATION_MODES = ("int8", "fp8")
 INT8_MAX = 127.0
@@ -84,3 +88,22 @@ def dequantize(weight, dtype=jnp.float32):
 def quantize_rows(a):
     """[R, D] activations -> (float8_e4m3fn [R, D], f32[R] scales), one scale per row (per token)."""
     return _quantize_along(a, 1, "fp8")
+
+
+def bf16_pieces(w):
+    """float32 w -> three bf16 arrays whose float32 sum is w: each piece is the top 8 significant bits of what the
+    earlier ones left (bit masks, not rounding conversions, which XLA may fold away). Exact for |w| >= 2^-103;
+    below, the last piece would be subnormal and may flush to zero (an error under 2^-126); -0.0 comes back +0.0."""
+    pieces, rest = [], w.astype(jnp.float32)
+    for _ in range(3):
+        top = lax.bitcast_convert_type(lax.bitcast_convert_type(rest, jnp.uint32) & jnp.uint32(0xFFFF0000),
+                                       jnp.float32)
+        pieces.append(top.astype(jnp.bfloat16))  # exact: top holds 8 significant bits
+        rest = rest - top  # exact: the bits below top's
+    return pieces
+
+
+def cut_router_weight(w):
+    """float32 w [..., N] -> bf16 [..., 3N]: its bf16_pieces hi | mid | lo along the last axis, the operand of
+    `router_matmul`."""
+    return jnp.concatenate(bf16_pieces(w), axis=-1)

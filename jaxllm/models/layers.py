@@ -69,25 +69,6 @@ def matmul(x, w):
     return jnp.dot(x, w.astype(x.dtype), precision=lax.Precision.HIGHEST if x.dtype == jnp.float32 else None)
 
 
-def bf16_pieces(w):
-    """float32 w -> three bf16 arrays whose float32 sum is w: each piece is the top 8 significant bits of what the
-    earlier ones left (bit masks, not rounding conversions, which XLA may fold away). Exact for |w| >= 2^-103;
-    below, the last piece would be subnormal and may flush to zero (an error under 2^-126); -0.0 comes back +0.0."""
-    pieces, rest = [], w.astype(jnp.float32)
-    for _ in range(3):
-        top = lax.bitcast_convert_type(lax.bitcast_convert_type(rest, jnp.uint32) & jnp.uint32(0xFFFF0000),
-                                       jnp.float32)
-        pieces.append(top.astype(jnp.bfloat16))  # exact: top holds 8 significant bits
-        rest = rest - top  # exact: the bits below top's
-    return pieces
-
-
-def cut_router_weight(w):
-    """float32 w [..., N] -> bf16 [..., 3N]: its bf16_pieces hi | mid | lo along the last axis, the operand of
-    `router_matmul`."""
-    return jnp.concatenate(bf16_pieces(w), axis=-1)
-
-
 def router_matmul(x, pieces):
     """x @ w to float32 accuracy, f32[..., N], from w's pieces bf16 [K, 3N] (`cut_router_weight`).
 

@@ -17,8 +17,8 @@ from flax import nnx
 from jaxllm.config import ConfigError, ModelConfig, MoEConfig, hf_field, transformer_config
 from jaxllm.kernels.moe import moe_experts, route_grouped_sigmoid
 from jaxllm.loader import ConcatTransposed, Tensor, transpose, unchanged
-from jaxllm.models.layers import MLP, DecoderLM, cut_router_weight, normal_init, router_matmul
-from jaxllm.quantization import quantize
+from jaxllm.models.layers import MLP, DecoderLM, normal_init, router_matmul
+from jaxllm.quantization import cut_router_weight, quantize
 
 MODEL_TYPE = "llada2_moe"
 

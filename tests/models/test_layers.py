@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.models.layers import bf16_pieces, cut_router_weight, router_matmul
+from jaxllm.models.layers import router_matmul
+from jaxllm.quantization import bf16_pieces, cut_router_weight
 
 
 def test_bf16_pieces_sum_exactly_to_the_float32_weight():
