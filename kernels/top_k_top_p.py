@@ -340,7 +340,8 @@ def kept_segments(logits, threshold=None, allowed=None, *, impl="auto", chunk=10
         return tuple(r.reshape(num_rows, -1) for r in results)
 
     def reference(logits, *per_row):
-        return tuple(kept_segments_reference(logits, *per_row or (None,), allowed, segment=segment))
+        threshold = per_row[0] if per_row else None
+        return tuple(kept_segments_reference(logits, threshold, allowed, segment=segment))
 
     segments = _dispatch(impl, functools.partial(_in_row_blocks, pallas, segment=segment), reference,
                          logits, *per_row)
