@@ -22,10 +22,14 @@ L layers, P pages, S page size, W page-table width):
   context_lens, window_lens  i32[B]
 
 `write_kv_pages` scatters the window's K/V into the pool at the rows `window_pool_rows` gives
-those positions; rows past `window_len` are dropped, so padded slots write nothing (the model
-writes through `attention_prologue`, which fuses the same write into one kernel). Under jit with the pool donated the
-scatter updates the pool in place (H200: ~18 us per block write inside a jitted loop, against
+those positions; rows past `window_len` are dropped, so padded slots write nothing. Under jit with the pool donated
+the scatter updates the pool in place (H200: ~18 us per block write inside a jitted loop, against
 5.4 ms to copy an 8 GiB pool).
+
+The model calls `paged_attention_from_qkv`: the same kernel reading q and the window's K/V straight from the QKV
+projection, applying the per-head q/k RMSNorm and RoPE as it loads them (`attention_prologue.rotated_head_tile`) and
+writing the window's K/V into the pool (each program its share of the window), so no separate prologue kernel runs.
+LLaDA2 batch 1 on the H200: 5.835 -> 5.722 ms per forward (engine run 20; the prologue kernel took ~3.6 us a layer).
 
 The Pallas-Triton kernel runs one program per (query tile, key split, kv head, request). A program
 holds TQ window queries x the (power-of-2 padded) head group as M = TQ*Gp rows and walks the committed
@@ -48,6 +52,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jaxllm.kernels import is_power_of_two
+from jaxllm.kernels.attention_prologue import qk_norm_rope, rope_rows, rotated_head_tile
 
 # JAX 0.11 warns at every Pallas-Triton lowering; this kernel is Triton by design (see jax-gpu.md), so silence
 # exactly that warning.
@@ -64,6 +69,7 @@ _MIN_SPLIT_KEYS = 128  # two key tiles: shorter splits cost more in partial-outp
 _MIN_PROGRAMS = 128
 _MIN_SMALL_GRID_ROWS = 32
 _MAX_SCALAR_PAGES = 4  # a committed tile spanning more pages gathers its page ids as a vector
+_PROLOGUE_WINDOW_BYTES = 128 * 1024  # shared memory for the pipelined window loads of the prologue (H200: 227 KB)
 
 
 def _check_shapes(q, k, v, k_pages, v_pages, page_table, context_lens, window_lens):
@@ -171,7 +177,7 @@ def _next_pow2(n):
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-def _choose_tiling(q, page_size, page_table_width, num_kv_heads, overrides):
+def _choose_tiling(q, page_size, page_table_width, num_kv_heads, overrides, prologue=False):
     batch, window, num_heads, head_dim = q.shape
     group = _next_pow2(num_heads // num_kv_heads)
     row_bytes = head_dim * q.dtype.itemsize
@@ -181,8 +187,11 @@ def _choose_tiling(q, page_size, page_table_width, num_kv_heads, overrides):
     q_tile = max(min(rows // group, _next_pow2(window)), -(-16 // group))  # dots need M >= 16
     # no split shorter than _MIN_SPLIT_KEYS of the static key range
     max_splits = max(1, (page_table_width * page_size + window) // _MIN_SPLIT_KEYS)
+    # with a prologue every program also normalises and rotates its [M, D] queries in float32 registers: SDAR batch 1
+    # ran 4.997 ms per forward at 64-row tiles, 4.941 at 32 (H200, engine run 20), so small grids narrow further
+    min_programs = 2 * _MIN_PROGRAMS if prologue else _MIN_PROGRAMS
     while (q_tile > 1 and q_tile * group > _MIN_SMALL_GRID_ROWS
-           and batch * num_kv_heads * -(-window // q_tile) * max_splits < _MIN_PROGRAMS):
+           and batch * num_kv_heads * -(-window // q_tile) * max_splits < min_programs):
         q_tile //= 2
     # enough programs to cover the SMs twice, but no split where the unsplit grid already gives each SM about one:
     # LLaDA2 at batch 32 (128 programs) took 43.3 us with 2 splits, 30.6 with none (tools/bench_attention.py, H200)
@@ -192,8 +201,13 @@ def _choose_tiling(q, page_size, page_table_width, num_kv_heads, overrides):
     # (num_stages - 1) // 2 tiles ahead: 5 stages keep two K/V tiles in flight, 3 or 4 stages only one. One
     # 8-warp program fills an SM's registers, so that prefetch depth is all that hides HBM latency.
     num_stages = (5 if q.dtype.itemsize == 2 else 3) if row_bytes <= 256 else 2
-    tiling = _Tiling(q_tile=q_tile, group=group, key_tile=key_tile,
-                     window_key_tile=min(key_tile, max(16, _next_pow2(window))), num_splits=num_splits,
+    window_key_tile = min(key_tile, max(16, _next_pow2(window)))
+    # with a prologue a window tile is five [TKW, D] loads (the heads, their rotate-half partners, v, cos, sin), of
+    # which Triton's pipeliner keeps num_stages in shared memory: SDAR's 32 x 128 bf16 tiles asked for 272 KB (H200)
+    while prologue and window_key_tile > 16 and 5 * window_key_tile * row_bytes * num_stages > _PROLOGUE_WINDOW_BYTES:
+        window_key_tile //= 2
+    tiling = _Tiling(q_tile=q_tile, group=group, key_tile=key_tile, window_key_tile=window_key_tile,
+                     num_splits=num_splits,
                      num_warps=8 if q_tile * group >= 128 else 4, num_stages=num_stages, scalar_page_ids=True)
     tiling = dataclasses.replace(tiling, **(overrides or {}))
     # tiles start at multiples of key_tile, so each tile covers whole pages or lies inside one
@@ -258,26 +272,91 @@ def _online_softmax_step(carry, q, k, v, visible, *, sm_scale, logit_soft_cap):
     return acc * rescale[:, None] + pv, new_max, row_sum
 
 
-def _paged_attention_kernel(layer_ref, page_table_ref, context_lens_ref, window_lens_ref, q_ref, k_ref, v_ref,
-                            k_pages_ref, v_pages_ref, out_ref, *lse_ref, tiling, block_size, page_size, sm_scale,
-                            sliding_window, logit_soft_cap):
+@dataclasses.dataclass(frozen=True)
+class _Prologue:
+    """The kernel makes q and the window's K/V from the QKV projection itself (`paged_attention_from_qkv`)."""
+    num_heads: int
+    rotary_half: int  # R / 2
+    eps: float
+
+
+def _paged_attention_kernel(layer_ref, page_table_ref, context_lens_ref, window_lens_ref, *refs, tiling, block_size,
+                            page_size, sm_scale, sliding_window, logit_soft_cap, prologue):
     """One program: query tile `q_tile` of request `b`, kv head `kv_head`, key slice `split`.
 
-    Refs: q_ref [TQ, Gp, D] block; k_ref, v_ref the whole [B, Q, K, D] window K/V; k_pages_ref, v_pages_ref the
-    whole pool viewed as [L, K, P*S, D]; out_ref [TQ, Gp, D] (final output, or this split's normalised partial),
-    lse_ref [TQ, Gp] (only with splits: log2-sum-exp2 of this split's log2-unit scores).
+    Refs without a prologue: q_ref [TQ, Gp, D] block; k_ref, v_ref the whole [B, Q, K, D] window K/V; k_pages_ref,
+    v_pages_ref the whole pool viewed as [L, K, P*S, D]; out_ref [TQ, Gp, D] (final output, or this split's
+    normalised partial), lse_ref [TQ, Gp] (only with splits: log2-sum-exp2 of this split's log2-unit scores).
+    With a prologue, q_ref, k_ref, v_ref are replaced by qkv_ref [B*Q, (H+2K)*D], the norm weights [D], cos and sin
+    f32[B*Q, R/2] and pool_rows i32[B*Q]; q and the window's K/V are normalised and rotated on loading
+    (`rotated_head_tile`), and the first split of the first query tile of each (request, kv head) also writes the
+    window's K/V into the pool through k_pages_out, v_pages_out (aliased to the pool inputs; the committed rows this
+    kernel reads are never window rows).
     """
     q_tile, split, kv_head, b = (pl.program_id(axis) for axis in range(4))
-    window, head_dim = k_ref.shape[1], k_ref.shape[3]
+    refs = list(refs)
+    if prologue is None:
+        q_ref, k_ref, v_ref, k_pages_ref, v_pages_ref, out_ref, *lse_ref = refs
+        window, dtype = k_ref.shape[1], q_ref.dtype
+    else:
+        qkv_ref, q_norm_ref, k_norm_ref, cos_ref, sin_ref, pool_rows_ref, k_pages_ref, v_pages_ref, out_ref = refs[:9]
+        lse_ref, (k_pages_out, v_pages_out) = refs[9:-2], refs[-2:]
+        window, dtype = qkv_ref.shape[0] // page_table_ref.shape[0], qkv_ref.dtype
+    head_dim, num_kv_heads = k_pages_ref.shape[3], k_pages_ref.shape[1]
     num_rows, key_tile = tiling.q_tile * tiling.group, tiling.key_tile
     layer, context_len, window_len = layer_ref[0], context_lens_ref[b], window_lens_ref[b]
     page_table_width, num_pool_rows = page_table_ref.shape[1], k_pages_ref.shape[2]
-    dtype = q_ref.dtype
 
-    q = q_ref[...].reshape(num_rows, head_dim)  # [M, D]
     first_query = q_tile * tiling.q_tile
     query_idx = first_query + jax.lax.broadcasted_iota(jnp.int32, (num_rows, 1), 0) // tiling.group  # [M, 1]
     cols = jax.lax.broadcasted_iota(jnp.int32, (1, head_dim), 1)  # [1, D]
+    if prologue is None:
+        q = q_ref[...].reshape(num_rows, head_dim)  # [M, D]
+
+        def window_kv(row, valid):
+            k = pltriton.load(k_ref.at[b, row[:, None], kv_head, cols], mask=valid[:, None], other=0.0)
+            v = pltriton.load(v_ref.at[b, row[:, None], kv_head, cols], mask=valid[:, None], other=0.0)
+            return k.astype(dtype), v.astype(dtype)
+    else:
+        group = prologue.num_heads // num_kv_heads
+        rotate = functools.partial(rotated_head_tile, qkv_ref, cos_ref=cos_ref, sin_ref=sin_ref,
+                                   rotary_half=prologue.rotary_half, eps=prologue.eps)
+        k_start = (prologue.num_heads + kv_head) * head_dim  # first column of this kv head's k, then its v
+        v_start = k_start + num_kv_heads * head_dim
+
+        def window_kv(row, valid):
+            tokens = b * window + row
+            k = rotate(tokens, jnp.full(row.shape, k_start, jnp.int32), k_norm_ref, mask=valid[:, None])
+            v = pltriton.load(qkv_ref.at[tokens[:, None], v_start + cols], mask=valid[:, None], other=0.0)
+            return k.astype(dtype), v.astype(dtype)
+
+        # every program of this (request, kv head) writes its share of the window's K/V into the pool, first, so that
+        # those loads overlap the queries' (one program writing them all trailed the others by ~3 us at SDAR batch 1)
+        num_programs = -(-window // tiling.q_tile) * tiling.num_splits
+        share = _next_pow2(-(-window // num_programs))
+        write_tile = min(share, tiling.window_key_tile)
+
+        def write(t, carry):
+            offset = (q_tile * tiling.num_splits + split) * share + t * write_tile + jax.lax.iota(jnp.int32, write_tile)
+            valid = offset < window
+            row = jnp.minimum(offset, window - 1)
+            k, v = window_kv(row, valid)
+            pool_row = pltriton.load(pool_rows_ref.at[b * window + row])
+            in_pool = valid & (pool_row >= 0) & (pool_row < num_pool_rows)
+            # a dropped token's lanes are masked on the GPU; interpret mode writes every index and drops only those
+            # past the end (a negative one would wrap around)
+            target = jnp.where(in_pool, pool_row, num_pool_rows)[:, None]
+            mask = jnp.broadcast_to(in_pool[:, None], k.shape)
+            pltriton.store(k_pages_out.at[layer, kv_head, target, cols], k.astype(k_pages_out.dtype), mask=mask)
+            pltriton.store(v_pages_out.at[layer, kv_head, target, cols], v.astype(v_pages_out.dtype), mask=mask)
+            return carry
+
+        jax.lax.fori_loop(0, share // write_tile, write, 0) if share > write_tile else write(0, 0)  # straight-line code
+        # row m holds query first_query + m // Gp of head g = m % Gp; padding rows repeat real ones (sliced off)
+        row_in_tile = jax.lax.iota(jnp.int32, num_rows)
+        q_token = b * window + jnp.minimum(first_query + row_in_tile // tiling.group, window - 1)
+        q_head = kv_head * group + jnp.minimum(row_in_tile % tiling.group, group - 1)
+        q = rotate(q_token, q_head * head_dim, q_norm_ref).astype(dtype)
     c_lo, num_committed, w_lo, num_window = _key_ranges(context_len, window_len, first_query, tiling=tiling,
                                                          block_size=block_size, sliding_window=sliding_window)
     begin, committed_count, window_offset, window_count = _split_range(num_committed, num_window, split,
@@ -327,13 +406,11 @@ def _paged_attention_kernel(layer_ref, page_table_ref, context_lens_ref, window_
         offset = t * tiling.window_key_tile + jax.lax.iota(jnp.int32, tiling.window_key_tile)  # [TKW]
         key_idx = w_lo + window_offset + offset
         valid = offset < window_count
-        row = jnp.minimum(key_idx, window - 1)
-        k = pltriton.load(k_ref.at[b, row[:, None], kv_head, cols], mask=valid[:, None], other=0.0)
-        v = pltriton.load(v_ref.at[b, row[:, None], kv_head, cols], mask=valid[:, None], other=0.0)
+        k, v = window_kv(jnp.minimum(key_idx, window - 1), valid)
         visible = valid[None, :] & (key_idx[None, :] // block_size <= query_idx // block_size)
         if sliding_window is not None:
             visible = visible & (query_idx - key_idx[None, :] < sliding_window)
-        return step(carry, q, k.astype(dtype), v.astype(dtype), visible)
+        return step(carry, q, k, v, visible)
 
     carry = (jnp.zeros((num_rows, head_dim), jnp.float32), jnp.full((num_rows,), MASK_VALUE, jnp.float32),
              jnp.zeros((num_rows,), jnp.float32))
@@ -366,50 +443,95 @@ def _combine_splits(partial_out, partial_lse):
         jnp.add, weights)
 
 
-def _paged_attention_pallas(q, k, v, k_pages, v_pages, layer, page_table, context_lens, window_lens, *,
-                            block_size, sm_scale, sliding_window, logit_soft_cap, interpret, tiling_overrides=None):
-    """Pallas-Triton kernel; `tiling_overrides` ({field: value} of _Tiling) is for tests and benchmarks."""
-    batch, window, num_heads, head_dim = q.shape
+def _attention_call(window_operands, window_specs, k_pages, v_pages, layer, page_table, context_lens, window_lens, *,
+                    q_shape, dtype, block_size, sm_scale, sliding_window, logit_soft_cap, interpret, tiling_overrides,
+                    prologue):
+    """The kernel over the queries and window K/V given as window_operands (q5, k, v; or with a prologue the
+    projection, norm weights, cos, sin and pool rows): ([B, Q, H, D] output, the pool outputs with a prologue)."""
+    batch, window, num_heads, head_dim = q_shape
     num_layers, num_kv_heads, num_pages, page_size, _ = k_pages.shape
     if not is_power_of_two(head_dim):
         raise ValueError(f"the Pallas kernel needs a power-of-2 head_dim, got {head_dim}")
     group = num_heads // num_kv_heads
-    tiling = _choose_tiling(q, page_size, page_table.shape[1], num_kv_heads, tiling_overrides)
+    tiling = _choose_tiling(jax.ShapeDtypeStruct(q_shape, dtype), page_size, page_table.shape[1], num_kv_heads,
+                            tiling_overrides, prologue=prologue is not None)
     num_q_tiles = -(-window // tiling.q_tile)
-    padded_window = num_q_tiles * tiling.q_tile
-
-    q5 = q.reshape(batch, window, num_kv_heads, group, head_dim)
-    if (padded_window, tiling.group) != (window, group):
-        q5 = jnp.pad(q5, ((0, 0), (0, padded_window - window), (0, 0), (0, tiling.group - group), (0, 0)))
     pool_shape = (num_layers, num_kv_heads, num_pages * page_size, head_dim)  # pages flattened to rows: free
-    out_dims = (padded_window, num_kv_heads, tiling.group)
-    tile = (pl.squeezed, tiling.q_tile, pl.squeezed, tiling.group, head_dim)  # one [TQ, Gp, D] tile of [B, Q, K, G, D]
+    out_dims = (num_q_tiles * tiling.q_tile, num_kv_heads, tiling.group)
+    tile = _query_tile(tiling, head_dim)
     if tiling.num_splits == 1:
-        out_shape = [jax.ShapeDtypeStruct((batch, *out_dims, head_dim), q.dtype)]
+        out_shape = [jax.ShapeDtypeStruct((batch, *out_dims, head_dim), dtype)]
         out_specs = [pl.BlockSpec(tile, lambda t, s, h, b: (b, t, h, 0, 0))]
     else:  # float32 partials per split, merged by _combine_splits
         out_shape = [jax.ShapeDtypeStruct((tiling.num_splits, batch, *out_dims, head_dim), jnp.float32),
                      jax.ShapeDtypeStruct((tiling.num_splits, batch, *out_dims), jnp.float32)]
         out_specs = [pl.BlockSpec((pl.squeezed, *tile), lambda t, s, h, b: (s, b, t, h, 0, 0)),
                      pl.BlockSpec((pl.squeezed, *tile[:-1]), lambda t, s, h, b: (s, b, t, h, 0))]
+    raw = pl.BlockSpec(memory_space=pl.ANY)  # indexed in-kernel (no scalar prefetch on GPU)
+    num_outputs, aliases = len(out_shape), {}
+    if prologue is not None:  # the pool comes back written, in place
+        out_shape += [jax.ShapeDtypeStruct(pool_shape, k_pages.dtype), jax.ShapeDtypeStruct(pool_shape, v_pages.dtype)]
+        out_specs += [raw, raw]
+        first_pool_operand = 4 + len(window_operands)
+        aliases = {first_pool_operand: num_outputs, first_pool_operand + 1: num_outputs + 1}
     kernel = functools.partial(_paged_attention_kernel, tiling=tiling, block_size=block_size, page_size=page_size,
                                sm_scale=float(sm_scale), sliding_window=sliding_window,
-                               logit_soft_cap=None if logit_soft_cap is None else float(logit_soft_cap))
+                               logit_soft_cap=None if logit_soft_cap is None else float(logit_soft_cap),
+                               prologue=prologue)
     outs = pl.pallas_call(
         kernel,
         out_shape=out_shape,
         grid=(num_q_tiles, tiling.num_splits, num_kv_heads, batch),  # query tiles sharing K/V launch together
-        # raw refs for everything indexed in-kernel (no scalar prefetch on GPU): pages are gathered row by row
-        in_specs=[*[pl.BlockSpec(memory_space=pl.ANY)] * 4, pl.BlockSpec(tile, lambda t, s, h, b: (b, t, h, 0, 0)),
-                  *[pl.BlockSpec(memory_space=pl.ANY)] * 4],
+        in_specs=[*[raw] * 4, *window_specs, raw, raw],
         out_specs=out_specs,
+        input_output_aliases=aliases,
         compiler_params=pltriton.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
         interpret=interpret,
         name="paged_block_attention",
     )(jnp.asarray(layer, jnp.int32).reshape(1), page_table.astype(jnp.int32), context_lens.astype(jnp.int32),
-      window_lens.astype(jnp.int32), q5, k, v, k_pages.reshape(pool_shape), v_pages.reshape(pool_shape))
-    out = outs[0] if tiling.num_splits == 1 else _combine_splits(*outs).astype(q.dtype)
-    return out[:, :window, :, :group].reshape(batch, window, num_heads, head_dim)
+      window_lens.astype(jnp.int32), *window_operands, k_pages.reshape(pool_shape), v_pages.reshape(pool_shape))
+    out = outs[0] if tiling.num_splits == 1 else _combine_splits(*outs[:2])
+    out = out.astype(dtype)[:, :window, :, :group].reshape(q_shape)
+    return out, [pool.reshape(k_pages.shape) for pool in outs[num_outputs:]]
+
+
+def _query_tile(tiling, head_dim):
+    """One program's [TQ, Gp, D] tile of [B, Q, K, Gp, D] queries and outputs."""
+    return pl.squeezed, tiling.q_tile, pl.squeezed, tiling.group, head_dim
+
+
+def _paged_attention_pallas(q, k, v, k_pages, v_pages, layer, page_table, context_lens, window_lens, *,
+                            tiling_overrides=None, **kwargs):
+    """Pallas-Triton kernel; `tiling_overrides` ({field: value} of _Tiling) is for tests and benchmarks."""
+    batch, window, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    group = num_heads // num_kv_heads
+    tiling = _choose_tiling(q, k_pages.shape[3], page_table.shape[1], num_kv_heads, tiling_overrides)
+    padded_window = -(-window // tiling.q_tile) * tiling.q_tile
+    q5 = q.reshape(batch, window, num_kv_heads, group, head_dim)
+    if (padded_window, tiling.group) != (window, group):
+        q5 = jnp.pad(q5, ((0, 0), (0, padded_window - window), (0, 0), (0, tiling.group - group), (0, 0)))
+    q_spec = pl.BlockSpec(_query_tile(tiling, head_dim), lambda t, s, h, b: (b, t, h, 0, 0))
+    out, _ = _attention_call([q5, k, v], [q_spec, *[pl.BlockSpec(memory_space=pl.ANY)] * 2], k_pages, v_pages, layer,
+                             page_table, context_lens, window_lens, q_shape=q.shape, dtype=q.dtype,
+                             tiling_overrides=tiling_overrides, prologue=None, **kwargs)
+    return out
+
+
+def _paged_attention_from_qkv_pallas(qkv, q_norm_weight, k_norm_weight, cos, sin, k_pages, v_pages, layer,
+                                     page_table, context_lens, window_lens, *, num_heads, eps, tiling_overrides=None,
+                                     **kwargs):
+    batch, window, _ = qkv.shape
+    _, num_kv_heads, _, page_size, head_dim = k_pages.shape
+    pool_rows = window_pool_rows(page_table, context_lens, window_lens, window, page_size)
+    tokens = batch * window
+    cos_rows, sin_rows = rope_rows(cos.reshape(tokens, -1), sin.reshape(tokens, -1), head_dim, qkv.dtype)
+    operands = [qkv.reshape(tokens, -1), q_norm_weight, k_norm_weight, cos_rows, sin_rows, pool_rows]
+    out, (k_pages, v_pages) = _attention_call(
+        operands, [pl.BlockSpec(memory_space=pl.ANY)] * len(operands), k_pages, v_pages, layer, page_table,
+        context_lens, window_lens, q_shape=(batch, window, num_heads, head_dim), dtype=qkv.dtype,
+        tiling_overrides=tiling_overrides, prologue=_Prologue(num_heads, cos.shape[-1], float(eps)), **kwargs)
+    return out, k_pages, v_pages
 
 
 def _default_impl(head_dim: int) -> str:
@@ -444,4 +566,55 @@ def paged_attention(q, k, v, k_pages, v_pages, layer, page_table, context_lens, 
     if impl == "pallas":
         return _paged_attention_pallas(q, k, v, k_pages, v_pages, layer, page_table, context_lens, window_lens,
                                        interpret=interpret, **kwargs)
+    raise ValueError(f"unknown attention impl {impl!r}; use 'auto', 'pallas' or 'reference'")
+
+
+def paged_attention_from_qkv_reference(qkv, q_norm_weight, k_norm_weight, cos, sin, k_pages, v_pages, layer,
+                                       page_table, context_lens, window_lens, *, num_heads, eps, **kwargs):
+    """The XLA path of `paged_attention_from_qkv`: `qk_norm_rope`, `write_kv_pages`, `paged_attention_reference`."""
+    batch, window, _ = qkv.shape
+    num_kv_heads, page_size = k_pages.shape[1], k_pages.shape[3]
+    q, k, v = qk_norm_rope(qkv, q_norm_weight, k_norm_weight, cos, sin, num_heads=num_heads,
+                           num_kv_heads=num_kv_heads, eps=eps)
+    pool_rows = window_pool_rows(page_table, context_lens, window_lens, window, page_size)
+    k_pages, v_pages = write_kv_pages(k_pages, v_pages, layer, k.reshape(batch * window, *k.shape[2:]),
+                                      v.reshape(batch * window, *v.shape[2:]), pool_rows)
+    out = paged_attention_reference(q, k, v, k_pages, v_pages, layer, page_table, context_lens, window_lens, **kwargs)
+    return out, k_pages, v_pages
+
+
+@functools.partial(jax.named_call, name="paged_attention")
+def paged_attention_from_qkv(qkv, q_norm_weight, k_norm_weight, cos, sin, k_pages, v_pages, layer, page_table,
+                             context_lens, window_lens, *, num_heads, eps, block_size, sm_scale=None,
+                             sliding_window=None, logit_soft_cap=None, impl="auto", interpret=False):
+    """`paged_attention` straight from the QKV projection: per-head RMSNorm of q and k and RoPE
+    (`kernels/attention_prologue.py`), the window's K/V written into the pool, and attention, in one kernel.
+
+    Args:
+      qkv: [B, Q, (H + 2K) * D] the projection (q heads, then k heads, then v heads); q_norm_weight, k_norm_weight
+        [D]; cos, sin: f32[B, Q, R/2] RoPE tables of the window's positions (`rope_tables`).
+      The pool, layer, page table and lengths as in `paged_attention`; the window's K/V go to the pool rows the page
+      table gives their positions (`window_pool_rows`), placeholders past window_len write nothing.
+    Returns:
+      ([B, Q, H, D] in qkv's dtype, k_pages, v_pages): under jit with the pool donated it is updated in place.
+    """
+    batch, window, width = qkv.shape
+    num_kv_heads, head_dim = k_pages.shape[1], k_pages.shape[4]
+    if width != (num_heads + 2 * num_kv_heads) * head_dim or num_heads % num_kv_heads:
+        raise ValueError(f"qkv must be [B, Q, (H + 2K) * D] = [{batch}, {window}, "
+                         f"{(num_heads + 2 * num_kv_heads) * head_dim}] with H a multiple of K={num_kv_heads}, "
+                         f"got {qkv.shape} for H={num_heads}")
+    if cos.shape[:2] != (batch, window) or sin.shape != cos.shape or 2 * cos.shape[2] > head_dim:
+        raise ValueError(f"cos/sin must be [B={batch}, Q={window}, R/2 <= D/2], got {cos.shape}, {sin.shape}")
+    if sm_scale is None:
+        sm_scale = head_dim ** -0.5
+    impl = _default_impl(head_dim) if impl == "auto" else impl
+    args = (qkv, q_norm_weight, k_norm_weight, cos, sin, k_pages, v_pages, layer, page_table, context_lens,
+            window_lens)
+    kwargs = {"num_heads": num_heads, "eps": eps, "block_size": block_size, "sm_scale": sm_scale,
+              "sliding_window": sliding_window, "logit_soft_cap": logit_soft_cap}
+    if impl == "reference":
+        return paged_attention_from_qkv_reference(*args, **kwargs)
+    if impl == "pallas":
+        return _paged_attention_from_qkv_pallas(*args, interpret=interpret, **kwargs)
     raise ValueError(f"unknown attention impl {impl!r}; use 'auto', 'pallas' or 'reference'")

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from jaxllm.kernels.attention_prologue import attention_prologue, qk_norm_rope, rms_norm, rope_tables
-from jaxllm.kernels.paged_attention import paged_attention, window_pool_rows
+from jaxllm.kernels.attention_prologue import qk_norm_rope, rms_norm, rope_tables
+from jaxllm.kernels.paged_attention import paged_attention_from_qkv
 
 
 @jax.tree_util.register_dataclass
@@ -151,16 +151,11 @@ class Attention(nnx.Module):
         if isinstance(md, DenseMetadata):
             q, k, v = qk_norm_rope(qkv, *norm_weights, cos, sin, **heads)
             return self.o_proj(dense_attention(q, k, v, md).reshape(batch, window, -1)), kv
-        pool_rows = window_pool_rows(md.page_table, md.context_lens, md.window_lens, window, kv.k_pages.shape[3])
-        q, k, v, k_pages, v_pages = attention_prologue(
-            qkv.reshape(batch * window, -1), *norm_weights, cos.reshape(batch * window, -1),
-            sin.reshape(batch * window, -1), kv.k_pages, kv.v_pages, layer, pool_rows,
-            # "pallas" asks for the attention kernel; the prologue takes its kernel where the head shape allows
-            impl="reference" if md.attention_impl == "reference" else "auto", **heads)
-        q, k, v = (t.reshape(batch, window, *t.shape[1:]) for t in (q, k, v))
-        # the window's own K/V come from k, v: the kernel reads only committed positions from the pool
-        out = paged_attention(q, k, v, k_pages, v_pages, layer, md.page_table, md.context_lens, md.window_lens,
-                              block_size=md.block_size, impl=md.attention_impl)
+        # q/k norms, RoPE and the window's K/V written into the pool happen inside the attention kernel
+        out, k_pages, v_pages = paged_attention_from_qkv(
+            qkv, *norm_weights, cos, sin, kv.k_pages, kv.v_pages, layer, md.page_table, md.context_lens,
+            md.window_lens, num_heads=self.num_heads, eps=self.rms_norm_eps, block_size=md.block_size,
+            impl=md.attention_impl)
         return self.o_proj(out.reshape(batch, window, -1)), KVCache(k_pages, v_pages)
 
 

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from jaxllm.kernels import paged_attention as pa
+from jaxllm.kernels.attention_prologue import rope_tables
 from tools.bench_attention import median_seconds
 
 INTERPRET = jax.default_backend() != "gpu"
@@ -154,6 +155,74 @@ def test_pallas_matches_reference(name):
     check_case(SWEEP[name], seed=sorted(SWEEP).index(name))
 
 
+def make_qkv_inputs(case, seed, rotary_dim):
+    """(clean, poisoned) arguments of paged_attention_from_qkv: make_inputs' pool and page table, a random projection
+    (its k and v columns NaN past window_len in the poisoned copy), norm weights and RoPE tables."""
+    clean, poisoned = make_inputs(case, seed)
+    rng = np.random.default_rng(seed + 1000)
+    batch, window = len(case.context_lens), case.window
+    q_width = case.num_heads * case.head_dim
+    qkv = rng.standard_normal((batch, window, q_width + 2 * case.num_kv_heads * case.head_dim))
+    hidden = np.zeros(qkv.shape, bool)
+    hidden[:, :, q_width:] = (np.arange(window)[None, :] >= np.asarray(clean[-1])[:, None])[:, :, None]
+    q_norm, k_norm = (jnp.asarray(1 + 0.3 * rng.standard_normal(case.head_dim), case.dtype) for _ in range(2))
+    positions = np.asarray(case.context_lens)[:, None] + np.arange(window)[None, :]
+    cos, sin = rope_tables(jnp.asarray(positions), theta=10000.0, rotary_dim=rotary_dim)
+
+    def build(args, poison):
+        projection = jnp.asarray(np.where(hidden, np.nan, qkv) if poison else qkv, case.dtype)
+        return (projection, q_norm, k_norm, cos, sin, *args[3:])
+    return build(clean, poison=False), build(poisoned, poison=True)
+
+
+QKV_SWEEP = {  # (case, rotary_dim)
+    "decode_gqa2_full_rope": (SWEEP["decode_gqa2"], 64),
+    "partial_rope_bf16": (SWEEP["head_dim_128_bf16_gqa4"], 64),
+    "gqa7_padded_group_quarter_rope": (SWEEP["gqa7_padded_group"], 16),
+    "multi_block_partial_window": (SWEEP["multi_block_partial_window"], 64),
+    "padded_batch_slot": (SWEEP["padded_batch_slot"], 64),
+    "prefill_query_tiles": (SWEEP["prefill_query_tiles"], 64),
+    "window_not_power_of_2_rope_48": (SWEEP["window_not_power_of_2"], 48),  # 24 frequencies: not a power of 2
+    "splits_sliding_bf16": (SWEEP["splits_sliding_bf16"], 64),
+    "page_256": (SWEEP["page_256"], 64),
+}
+
+
+def check_qkv_case(case, rotary_dim, seed):
+    """Output against the XLA path on clean inputs; the pool against the XLA write into the poisoned pool (NaN where
+    no committed KV lives), so a write to a wrong row, or one that should have been dropped, fails."""
+    clean, poisoned = make_qkv_inputs(case, seed, rotary_dim)
+    kwargs = {"num_heads": case.num_heads, "eps": 1e-6, "block_size": case.block_size,
+              "sliding_window": case.sliding_window, "logit_soft_cap": case.logit_soft_cap}
+    if case.num_splits is None:
+        attention = functools.partial(pa.paged_attention_from_qkv, impl="pallas", interpret=INTERPRET, **kwargs)
+    else:
+        attention = functools.partial(pa._paged_attention_from_qkv_pallas, sm_scale=case.head_dim ** -0.5,
+                                      interpret=INTERPRET, tiling_overrides={"num_splits": case.num_splits}, **kwargs)
+    reference = jax.jit(functools.partial(pa.paged_attention_from_qkv, impl="reference", **kwargs))
+    with jax.default_matmul_precision("highest"):
+        expected_out, *_ = reference(*clean)
+        _, *expected_pools = reference(*poisoned)  # the write alone: its attention output is NaN
+    out, *pools = jax.jit(attention)(*poisoned)
+    tol = TOLERANCE[case.dtype]
+    assert out.shape == expected_out.shape and out.dtype == jnp.dtype(case.dtype)
+    out = np.asarray(out.astype(jnp.float32))
+    assert np.isfinite(out).all(), f"{np.isnan(out).sum()} non-finite outputs"
+    np.testing.assert_allclose(out, np.asarray(expected_out.astype(jnp.float32)), atol=tol, rtol=tol)
+    for name, want, have in zip(("k_pages", "v_pages"), expected_pools, pools):
+        assert have.shape == want.shape and have.dtype == want.dtype
+        # k is rounded once in the kernel, after each op in XLA (RoPE's differences then carry the terms' rounding:
+        # bf16 at the output tolerance); v passes through exactly
+        rounding = 0 if name == "v_pages" else tol
+        np.testing.assert_allclose(np.asarray(have.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)),
+                                   rtol=rounding, atol=rounding, equal_nan=True, err_msg=name)
+
+
+@pytest.mark.parametrize("name", sorted(QKV_SWEEP))
+def test_from_qkv_matches_reference(name):
+    check_qkv_case(*QKV_SWEEP[name], seed=200 + sorted(QKV_SWEEP).index(name))
+
+
 CROSS_LOWERED = {  # (batch, window, heads, kv_heads, head_dim, page_size, width, dtype, kwargs)
     "llada2_mini_decode_split": (8, 32, 16, 4, 128, 16, 128, "bfloat16", {}),
     "gqa7_two_blocks": (2, 64, 28, 4, 128, 64, 8, "bfloat16", {}),
@@ -182,6 +251,54 @@ def test_kernel_lowers_to_triton_for_cuda(name):
     assert hlo.count("__gpu$xla.gpu.triton") == 1
 
 
+def qkv_specs(batch, window, heads, kv_heads, head_dim, rotary_dim, width, dtype="bfloat16"):
+    spec = jax.ShapeDtypeStruct
+    pool = spec((2, kv_heads, batch * width, 32, head_dim), dtype)
+    return (spec((batch, window, (heads + 2 * kv_heads) * head_dim), dtype), spec((head_dim,), dtype),
+            spec((head_dim,), dtype), spec((batch, window, rotary_dim // 2), jnp.float32),
+            spec((batch, window, rotary_dim // 2), jnp.float32), pool, pool, spec((), jnp.int32),
+            spec((batch, width), jnp.int32), spec((batch,), jnp.int32), spec((batch,), jnp.int32))
+
+
+QKV_LOWERED = {  # (batch, window, heads, kv_heads, head_dim, rotary_dim, width)
+    "sdar_decode_batch1": (1, 32, 32, 8, 128, 128, 32),
+    "llada2_decode_batch32": (32, 32, 16, 4, 128, 64, 32),
+    "prefill_512": (1, 512, 32, 8, 128, 128, 32),
+}
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the GPU compiles the kernel for real")
+@pytest.mark.parametrize("name", sorted(QKV_LOWERED))
+def test_from_qkv_lowers_to_triton_for_cuda(name):
+    heads = QKV_LOWERED[name][2]
+    attention = jax.jit(lambda *a: pa.paged_attention_from_qkv(*a, num_heads=heads, eps=1e-6, block_size=32,
+                                                               impl="pallas"), donate_argnums=(5, 6))
+    h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132)
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=h100)):
+        hlo = attention.trace(*qkv_specs(*QKV_LOWERED[name])).lower(lowering_platforms=("cuda",)).as_text()
+    assert hlo.count("__gpu$xla.gpu.triton") == 1
+
+
+def test_from_qkv_pool_writes_are_masked():
+    """A dropped token's pool row points past the pool's end, where interpret mode drops the write anyway; on the GPU
+    only the store's mask stops it (the flattened [L, K, P*S, D] view would take it as row 0 of the next kv head or
+    layer). So both pool stores must carry a mask."""
+    kernel_eqns = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            kernel_eqns.append(eqn)
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    args = [jnp.zeros(a.shape, a.dtype) for a in qkv_specs(1, 32, 8, 2, 64, 64, 4)]
+    attention = functools.partial(pa.paged_attention_from_qkv, num_heads=8, eps=1e-6, block_size=32, impl="pallas")
+    walk(jax.make_jaxpr(attention)(*args).jaxpr)
+    pool_stores = [eqn for eqn in kernel_eqns if "swap" in eqn.primitive.name and eqn.invars[0].aval.ndim == 4]
+    assert len(pool_stores) == 2
+    assert all(eqn.params["args_tree"].unflatten(eqn.invars)[3] is not None for eqn in pool_stores)
+
+
 requires_gpu = pytest.mark.skipif(INTERPRET, reason="needs a GPU (too slow in interpret mode)")
 
 GPU_SWEEP = {
@@ -201,6 +318,14 @@ GPU_SWEEP = {
 @pytest.mark.parametrize("name", sorted(GPU_SWEEP))
 def test_pallas_matches_reference_at_model_sizes(name):
     check_case(GPU_SWEEP[name], seed=100 + sorted(GPU_SWEEP).index(name))
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("name,rotary_dim", [("llada2_decode_batch8", 64), ("sdar_buffer_of_4_blocks", 128),
+                                             ("prefill_chunk_512", 64)])
+def test_from_qkv_matches_reference_at_model_sizes(name, rotary_dim):
+    check_qkv_case(GPU_SWEEP[name], rotary_dim, seed=300 + sorted(GPU_SWEEP).index(name))
 
 
 @pytest.mark.gpu
@@ -231,6 +356,37 @@ def test_write_kv_pages_updates_a_donated_pool_in_place():
     k_pages = pools[0]
     np.testing.assert_array_equal(np.asarray(k_pages[3, :, 7, :].transpose(1, 0, 2)), np.asarray(k[:16]))
     np.testing.assert_array_equal(np.asarray(k_pages[3, :, 4242, :].transpose(1, 0, 2)), np.asarray(k[16:]))
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_from_qkv_updates_a_donated_pool_in_place():
+    """One 32-token window written by the fused kernel into a donated 2 x 4 GiB pool must cost far less than copying
+    the pool, and its v rows land where the page table says."""
+    shape = (8, 8, 16384, 16, 128)
+    keys = jax.random.split(jax.random.key(0), 3)
+    pools = tuple(jax.random.normal(key, shape, jnp.bfloat16) for key in keys[:2])
+    qkv = jax.random.normal(keys[2], (1, 32, (32 + 16) * 128), jnp.bfloat16)
+    cos, sin = rope_tables(jnp.arange(32)[None], theta=1e6, rotary_dim=128)
+    weight = jnp.ones((128,), jnp.bfloat16)
+    page_table = jnp.asarray([[7, 4242]], jnp.int32)
+    attention = jax.jit(lambda k_pages, v_pages: pa.paged_attention_from_qkv(
+        qkv, weight, weight, cos, sin, k_pages, v_pages, jnp.int32(3), page_table, jnp.asarray([0], jnp.int32),
+        jnp.asarray([32], jnp.int32), num_heads=32, eps=1e-6, block_size=32, impl="pallas"), donate_argnums=(0, 1))
+
+    def once():
+        nonlocal pools
+        _, *pools = attention(*pools)
+        return pools
+
+    once()
+    seconds = median_seconds(once, min_reps=20, max_reps=20)
+    copy = jax.jit(lambda a, b: (a + 1, b + 1))
+    copy_seconds = median_seconds(lambda: copy(*pools), min_reps=5, max_reps=5)
+    assert seconds < 0.25 * copy_seconds, (seconds, copy_seconds)
+    v = np.asarray(qkv[0]).reshape(32, 48, 128)[:, 40:]  # [tokens, kv heads, D]
+    np.testing.assert_array_equal(np.asarray(pools[1][3, :, 7]).transpose(1, 0, 2), v[:16])
+    np.testing.assert_array_equal(np.asarray(pools[1][3, :, 4242]).transpose(1, 0, 2), v[16:])
 
 
 def test_small_batch_short_context_is_split_across_programs():
