@@ -28,8 +28,9 @@ the scatter updates the pool in place (H200: ~18 us per block write inside a jit
 
 The model calls `paged_attention_from_qkv`: the same kernel reading q and the window's K/V straight from the QKV
 projection, applying the per-head q/k RMSNorm and RoPE as it loads them (`attention_prologue.rotated_head_tile`) and
-writing the window's K/V into the pool (each program its share of the window), so no separate prologue kernel runs.
-LLaDA2 batch 1 on the H200: 5.835 -> 5.722 ms per forward (engine run 20; the prologue kernel took ~3.6 us a layer).
+writing the window's K/V into the pool (the last key split's programs, each its query tile's tokens), so no separate
+prologue kernel runs (it took ~3.6 us per SDAR layer at batch 1). LLaDA2 batch 1 on the H200: 5.835 -> 5.722 ms per
+forward with one writer per (request, kv head) (engine run 20; the shipped writer rule is not yet timed).
 
 The Pallas-Triton kernel runs one program per (query tile, key split, kv head, request). A program
 holds TQ window queries x the (power-of-2 padded) head group as M = TQ*Gp rows and walks the committed
@@ -287,11 +288,11 @@ def _paged_attention_kernel(layer_ref, page_table_ref, context_lens_ref, window_
     Refs without a prologue: q_ref [TQ, Gp, D] block; k_ref, v_ref the whole [B, Q, K, D] window K/V; k_pages_ref,
     v_pages_ref the whole pool viewed as [L, K, P*S, D]; out_ref [TQ, Gp, D] (final output, or this split's
     normalised partial), lse_ref [TQ, Gp] (only with splits: log2-sum-exp2 of this split's log2-unit scores).
-    With a prologue, q_ref, k_ref, v_ref are replaced by qkv_ref [B*Q, (H+2K)*D], the norm weights [D], cos and sin
-    f32[B*Q, R/2] and pool_rows i32[B*Q]; q and the window's K/V are normalised and rotated on loading
-    (`rotated_head_tile`), and the first split of the first query tile of each (request, kv head) also writes the
-    window's K/V into the pool through k_pages_out, v_pages_out (aliased to the pool inputs; the committed rows this
-    kernel reads are never window rows).
+    With a prologue, q_ref, k_ref, v_ref are replaced by qkv_ref [B*Q, (H+2K)*D], the norm weights [D], the
+    `rope_rows` cos and signed sin [B*Q, D] and pool_rows i32[B*Q]; q and the window's K/V are normalised and rotated
+    on loading (`rotated_head_tile`), and the last split's program of each query tile also writes its tokens' K/V
+    into the pool through k_pages_out, v_pages_out (aliased to the pool inputs; the committed rows this kernel reads
+    are never window rows).
     """
     q_tile, split, kv_head, b = (pl.program_id(axis) for axis in range(4))
     refs = list(refs)
@@ -330,14 +331,15 @@ def _paged_attention_kernel(layer_ref, page_table_ref, context_lens_ref, window_
             v = pltriton.load(qkv_ref.at[tokens[:, None], v_start + cols], mask=valid[:, None], other=0.0)
             return k.astype(dtype), v.astype(dtype)
 
-        # every program of this (request, kv head) writes its share of the window's K/V into the pool, first, so that
-        # those loads overlap the queries' (one program writing them all trailed the others by ~3 us at SDAR batch 1)
-        num_programs = -(-window // tiling.q_tile) * tiling.num_splits
-        share = _next_pow2(-(-window // num_programs))
-        write_tile = min(share, tiling.window_key_tile)
+        # the last split's programs write the K/V of their query tile's tokens into the pool: at batch 1 and 8 the
+        # key range splits into chunks of whole key tiles, so the last split is the lightest (often empty). On the
+        # H200 one writer per (request, kv head) at the first split trailed the others (SDAR batch 1 +96 us per
+        # forward), and every program writing a share of the window left LLaDA2 batch 1 at about main's time
+        # (engine run 20; this rule itself is not yet timed there).
+        write_tile = min(tiling.q_tile, tiling.window_key_tile)
 
         def write(t, carry):
-            offset = (q_tile * tiling.num_splits + split) * share + t * write_tile + jax.lax.iota(jnp.int32, write_tile)
+            offset = first_query + t * write_tile + jax.lax.iota(jnp.int32, write_tile)
             valid = offset < window
             row = jnp.minimum(offset, window - 1)
             k, v = window_kv(row, valid)
@@ -351,7 +353,9 @@ def _paged_attention_kernel(layer_ref, page_table_ref, context_lens_ref, window_
             pltriton.store(v_pages_out.at[layer, kv_head, target, cols], v.astype(v_pages_out.dtype), mask=mask)
             return carry
 
-        jax.lax.fori_loop(0, share // write_tile, write, 0) if share > write_tile else write(0, 0)  # straight-line code
+        @pl.when(split == tiling.num_splits - 1)
+        def _():
+            jax.lax.fori_loop(0, tiling.q_tile // write_tile, write, 0)
         # row m holds query first_query + m // Gp of head g = m % Gp; padding rows repeat real ones (sliced off)
         row_in_tile = jax.lax.iota(jnp.int32, num_rows)
         q_token = b * window + jnp.minimum(first_query + row_in_tile // tiling.group, window - 1)
