@@ -3,7 +3,7 @@
 The pure-jnp functions are the model's XLA path and the reference; `rotated_head_tile` is the same arithmetic
 inside a Pallas-Triton kernel, where the attention kernel (`paged_attention_from_qkv`) applies it to the heads it
 reads straight from the projection. In XLA this step was about seven small kernels per layer (~14 us at 32 tokens on
-the H200), and as a kernel of its own 3.6 us per SDAR layer at batch 1 (engine run 19), where its bytes take well
+the H200), and as a kernel of its own 3.6 us per SDAR layer at batch 1 (engine run 20), where its bytes take well
 under a microsecond.
 
 Layouts (T tokens, H query heads, K kv heads, D head dim, R = rotary_dim):

@@ -204,7 +204,8 @@ def _choose_tiling(q, page_size, page_table_width, num_kv_heads, overrides, prol
     num_stages = (5 if q.dtype.itemsize == 2 else 3) if row_bytes <= 256 else 2
     window_key_tile = min(key_tile, max(16, _next_pow2(window)))
     # with a prologue a window tile is five [TKW, D] loads (the heads, their rotate-half partners, v, cos, sin), of
-    # which Triton's pipeliner keeps num_stages in shared memory: SDAR's 32 x 128 bf16 tiles asked for 272 KB (H200)
+    # which Triton's pipeliner keeps num_stages in shared memory beside the committed loop's: SDAR's 32 x 128 bf16
+    # tiles asked for 272 KB in all on the H200 (227 KB available). The byte budget is a heuristic, not a count.
     while prologue and window_key_tile > 16 and 5 * window_key_tile * row_bytes * num_stages > _PROLOGUE_WINDOW_BYTES:
         window_key_tile //= 2
     tiling = _Tiling(q_tile=q_tile, group=group, key_tile=key_tile, window_key_tile=window_key_tile,
@@ -277,6 +278,7 @@ def _online_softmax_step(carry, q, k, v, visible, *, sm_scale, logit_soft_cap):
 class _Prologue:
     """The kernel makes q and the window's K/V from the QKV projection itself (`paged_attention_from_qkv`)."""
     num_heads: int
+    window: int  # Q: the projection holds B * Q rows
     rotary_half: int  # R / 2
     eps: float
 
@@ -302,7 +304,7 @@ def _paged_attention_kernel(layer_ref, page_table_ref, context_lens_ref, window_
     else:
         qkv_ref, q_norm_ref, k_norm_ref, cos_ref, sin_ref, pool_rows_ref, k_pages_ref, v_pages_ref, out_ref = refs[:9]
         lse_ref, (k_pages_out, v_pages_out) = refs[9:-2], refs[-2:]
-        window, dtype = qkv_ref.shape[0] // page_table_ref.shape[0], qkv_ref.dtype
+        window, dtype = prologue.window, qkv_ref.dtype
     head_dim, num_kv_heads = k_pages_ref.shape[3], k_pages_ref.shape[1]
     num_rows, key_tile = tiling.q_tile * tiling.group, tiling.key_tile
     layer, context_len, window_len = layer_ref[0], context_lens_ref[b], window_lens_ref[b]
@@ -332,15 +334,15 @@ def _paged_attention_kernel(layer_ref, page_table_ref, context_lens_ref, window_
             return k.astype(dtype), v.astype(dtype)
 
         # the last split's programs write the K/V of their query tile's tokens into the pool: at batch 1 and 8 the
-        # key range splits into chunks of whole key tiles, so the last split is the lightest (often empty). On the
+        # key range splits into chunks of whole key tiles, so the last split holds the fewest keys (often none). On the
         # H200 one writer per (request, kv head) at the first split trailed the others (SDAR batch 1 +96 us per
         # forward), and every program writing a share of the window left LLaDA2 batch 1 at about main's time
         # (engine run 20; this rule itself is not yet timed there).
-        write_tile = min(tiling.q_tile, tiling.window_key_tile)
+        write_tile = min(_next_pow2(tiling.q_tile), tiling.window_key_tile)
 
         def write(t, carry):
             offset = first_query + t * write_tile + jax.lax.iota(jnp.int32, write_tile)
-            valid = offset < window
+            valid = (offset < window) & (offset < first_query + tiling.q_tile)
             row = jnp.minimum(offset, window - 1)
             k, v = window_kv(row, valid)
             pool_row = pltriton.load(pool_rows_ref.at[b * window + row])
@@ -355,7 +357,7 @@ def _paged_attention_kernel(layer_ref, page_table_ref, context_lens_ref, window_
 
         @pl.when(split == tiling.num_splits - 1)
         def _():
-            jax.lax.fori_loop(0, tiling.q_tile // write_tile, write, 0)
+            jax.lax.fori_loop(0, pl.cdiv(tiling.q_tile, write_tile), write, 0)
         # row m holds query first_query + m // Gp of head g = m % Gp; padding rows repeat real ones (sliced off)
         row_in_tile = jax.lax.iota(jnp.int32, num_rows)
         q_token = b * window + jnp.minimum(first_query + row_in_tile // tiling.group, window - 1)
@@ -448,8 +450,7 @@ def _combine_splits(partial_out, partial_lse):
 
 
 def _attention_call(window_operands, window_specs, k_pages, v_pages, layer, page_table, context_lens, window_lens, *,
-                    q_shape, dtype, block_size, sm_scale, sliding_window, logit_soft_cap, interpret, tiling_overrides,
-                    prologue):
+                    q_shape, dtype, tiling, block_size, sm_scale, sliding_window, logit_soft_cap, interpret, prologue):
     """The kernel over the queries and window K/V given as window_operands (q5, k, v; or with a prologue the
     projection, norm weights, cos, sin and pool rows): ([B, Q, H, D] output, the pool outputs with a prologue)."""
     batch, window, num_heads, head_dim = q_shape
@@ -457,8 +458,6 @@ def _attention_call(window_operands, window_specs, k_pages, v_pages, layer, page
     if not is_power_of_two(head_dim):
         raise ValueError(f"the Pallas kernel needs a power-of-2 head_dim, got {head_dim}")
     group = num_heads // num_kv_heads
-    tiling = _choose_tiling(jax.ShapeDtypeStruct(q_shape, dtype), page_size, page_table.shape[1], num_kv_heads,
-                            tiling_overrides, prologue=prologue is not None)
     num_q_tiles = -(-window // tiling.q_tile)
     pool_shape = (num_layers, num_kv_heads, num_pages * page_size, head_dim)  # pages flattened to rows: free
     out_dims = (num_q_tiles * tiling.q_tile, num_kv_heads, tiling.group)
@@ -517,8 +516,8 @@ def _paged_attention_pallas(q, k, v, k_pages, v_pages, layer, page_table, contex
         q5 = jnp.pad(q5, ((0, 0), (0, padded_window - window), (0, 0), (0, tiling.group - group), (0, 0)))
     q_spec = pl.BlockSpec(_query_tile(tiling, head_dim), lambda t, s, h, b: (b, t, h, 0, 0))
     out, _ = _attention_call([q5, k, v], [q_spec, *[pl.BlockSpec(memory_space=pl.ANY)] * 2], k_pages, v_pages, layer,
-                             page_table, context_lens, window_lens, q_shape=q.shape, dtype=q.dtype,
-                             tiling_overrides=tiling_overrides, prologue=None, **kwargs)
+                             page_table, context_lens, window_lens, q_shape=q.shape, dtype=q.dtype, tiling=tiling,
+                             prologue=None, **kwargs)
     return out
 
 
@@ -527,14 +526,17 @@ def _paged_attention_from_qkv_pallas(qkv, q_norm_weight, k_norm_weight, cos, sin
                                      **kwargs):
     batch, window, _ = qkv.shape
     _, num_kv_heads, _, page_size, head_dim = k_pages.shape
+    q_shape = (batch, window, num_heads, head_dim)
+    tiling = _choose_tiling(jax.ShapeDtypeStruct(q_shape, qkv.dtype), page_size, page_table.shape[1], num_kv_heads,
+                            tiling_overrides, prologue=True)
     pool_rows = window_pool_rows(page_table, context_lens, window_lens, window, page_size)
     tokens = batch * window
     cos_rows, sin_rows = rope_rows(cos.reshape(tokens, -1), sin.reshape(tokens, -1), head_dim, qkv.dtype)
     operands = [qkv.reshape(tokens, -1), q_norm_weight, k_norm_weight, cos_rows, sin_rows, pool_rows]
     out, (k_pages, v_pages) = _attention_call(
         operands, [pl.BlockSpec(memory_space=pl.ANY)] * len(operands), k_pages, v_pages, layer, page_table,
-        context_lens, window_lens, q_shape=(batch, window, num_heads, head_dim), dtype=qkv.dtype,
-        tiling_overrides=tiling_overrides, prologue=_Prologue(num_heads, cos.shape[-1], float(eps)), **kwargs)
+        context_lens, window_lens, q_shape=q_shape, dtype=qkv.dtype, tiling=tiling,
+        prologue=_Prologue(num_heads, window, cos.shape[-1], float(eps)), **kwargs)
     return out, k_pages, v_pages
 
 
@@ -610,6 +612,11 @@ def paged_attention_from_qkv(qkv, q_norm_weight, k_norm_weight, cos, sin, k_page
                          f"got {qkv.shape} for H={num_heads}")
     if cos.shape[:2] != (batch, window) or sin.shape != cos.shape or 2 * cos.shape[2] > head_dim:
         raise ValueError(f"cos/sin must be [B={batch}, Q={window}, R/2 <= D/2], got {cos.shape}, {sin.shape}")
+    if q_norm_weight.shape != (head_dim,) or k_norm_weight.shape != (head_dim,):
+        raise ValueError(f"norm weights must be [D={head_dim}], got {q_norm_weight.shape}, {k_norm_weight.shape}")
+    kv_shape = jax.ShapeDtypeStruct((batch, window, num_kv_heads, head_dim), qkv.dtype)
+    _check_shapes(jax.ShapeDtypeStruct((batch, window, num_heads, head_dim), qkv.dtype), kv_shape, kv_shape, k_pages,
+                  v_pages, page_table, context_lens, window_lens)
     if sm_scale is None:
         sm_scale = head_dim ** -0.5
     impl = _default_impl(head_dim) if impl == "auto" else impl

@@ -147,9 +147,9 @@ class Attention(nnx.Module):
         positions = md.positions if isinstance(md, DenseMetadata) else md.positions(window)
         cos, sin = rope_tables(positions, theta=self.rope_theta, rotary_dim=self.rotary_dim)
         norm_weights = (self.q_norm.weight[...], self.k_norm.weight[...])
-        heads = dict(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, eps=self.rms_norm_eps)
         if isinstance(md, DenseMetadata):
-            q, k, v = qk_norm_rope(qkv, *norm_weights, cos, sin, **heads)
+            q, k, v = qk_norm_rope(qkv, *norm_weights, cos, sin, num_heads=self.num_heads,
+                                   num_kv_heads=self.num_kv_heads, eps=self.rms_norm_eps)
             return self.o_proj(dense_attention(q, k, v, md).reshape(batch, window, -1)), kv
         # q/k norms, RoPE and the window's K/V written into the pool happen inside the attention kernel
         out, k_pages, v_pages = paged_attention_from_qkv(

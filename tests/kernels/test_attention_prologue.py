@@ -1,8 +1,9 @@
 """The attention prologue (q/k RMSNorm and RoPE): the in-kernel `rotated_head_tile` against the XLA `qk_norm_rope`,
 and the fused attention kernel in its place in the model.
 
-On CPU the kernels run in interpret mode, where Pallas fills outputs with NaN first: an element a kernel never
-writes fails the comparison. Every case draws fresh random inputs.
+The kernels run in interpret mode, where Pallas fills outputs with NaN first: an element a kernel never writes fails
+the comparison (on the GPU the helper is compiled inside the attention kernel: test_paged_attention.py's from_qkv
+tests). Every case draws fresh random inputs.
 """
 
 import dataclasses
@@ -15,9 +16,7 @@ import pytest
 from jax.experimental import pallas as pl
 
 from jaxllm.kernels import attention_prologue as ap
-from jaxllm.kernels.paged_attention import window_pool_rows
 
-INTERPRET = jax.default_backend() != "gpu"
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}  # bf16: the kernel rounds once where XLA may round per op
 
 
@@ -71,14 +70,6 @@ def test_rotated_head_tile_matches_qk_norm_rope(name):
     tolerance = TOLERANCE[case.dtype]
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tolerance,
                                atol=tolerance)
-
-
-def test_window_pool_rows_follow_the_page_table_and_drop_placeholders():
-    page_table = jnp.asarray([[5, 2, 9], [1, 0, 0]], jnp.int32)
-    rows = window_pool_rows(page_table, jnp.asarray([4, 0], jnp.int32), jnp.asarray([4, 2], jnp.int32),
-                            window=4, page_size=4)
-    dropped = np.iinfo(np.int32).max
-    assert np.asarray(rows).tolist() == [2 * 4 + 0, 2 * 4 + 1, 2 * 4 + 2, 2 * 4 + 3, 4, 5, dropped, dropped]
 
 
 def test_engine_tokens_are_the_same_with_the_kernel_inside_the_model(checkpoints, monkeypatch):

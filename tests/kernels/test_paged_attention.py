@@ -155,9 +155,18 @@ def test_pallas_matches_reference(name):
     check_case(SWEEP[name], seed=sorted(SWEEP).index(name))
 
 
-def make_qkv_inputs(case, seed, rotary_dim):
-    """(clean, poisoned) arguments of paged_attention_from_qkv: make_inputs' pool and page table, a random projection
-    (its k and v columns NaN past window_len in the poisoned copy), norm weights and RoPE tables."""
+def test_window_pool_rows_follow_the_page_table_and_drop_placeholders():
+    page_table = jnp.asarray([[5, 2, 9], [1, 0, 0]], jnp.int32)
+    rows = pa.window_pool_rows(page_table, jnp.asarray([4, 0], jnp.int32), jnp.asarray([4, 2], jnp.int32),
+                            window=4, page_size=4)
+    dropped = np.iinfo(np.int32).max
+    assert np.asarray(rows).tolist() == [2 * 4 + 0, 2 * 4 + 1, 2 * 4 + 2, 2 * 4 + 3, 4, 5, dropped, dropped]
+
+
+def make_qkv_inputs(case, seed, rotary_dim, page_overrides=None):
+    """(clean, poisoned) arguments of paged_attention_from_qkv: make_inputs' pool and page table (with
+    page_overrides {(request, page index): page id} applied), a random projection (its k and v columns NaN past
+    window_len in the poisoned copy), norm weights and RoPE tables."""
     clean, poisoned = make_inputs(case, seed)
     rng = np.random.default_rng(seed + 1000)
     batch, window = len(case.context_lens), case.window
@@ -168,37 +177,55 @@ def make_qkv_inputs(case, seed, rotary_dim):
     q_norm, k_norm = (jnp.asarray(1 + 0.3 * rng.standard_normal(case.head_dim), case.dtype) for _ in range(2))
     positions = np.asarray(case.context_lens)[:, None] + np.arange(window)[None, :]
     cos, sin = rope_tables(jnp.asarray(positions), theta=10000.0, rotary_dim=rotary_dim)
+    page_table = np.asarray(clean[6]).copy()
+    for (request, index), page in (page_overrides or {}).items():
+        page_table[request, index] = page
 
     def build(args, poison):
         projection = jnp.asarray(np.where(hidden, np.nan, qkv) if poison else qkv, case.dtype)
-        return (projection, q_norm, k_norm, cos, sin, *args[3:])
+        return (projection, q_norm, k_norm, cos, sin, *args[3:6], jnp.asarray(page_table), *args[7:])
     return build(clean, poison=False), build(poisoned, poison=True)
 
 
-QKV_SWEEP = {  # (case, rotary_dim)
-    "decode_gqa2_full_rope": (SWEEP["decode_gqa2"], 64),
-    "partial_rope_bf16": (SWEEP["head_dim_128_bf16_gqa4"], 64),
-    "gqa7_padded_group_quarter_rope": (SWEEP["gqa7_padded_group"], 16),
-    "multi_block_partial_window": (SWEEP["multi_block_partial_window"], 64),
-    "padded_batch_slot": (SWEEP["padded_batch_slot"], 64),
-    "prefill_query_tiles": (SWEEP["prefill_query_tiles"], 64),
-    "window_not_power_of_2_rope_48": (SWEEP["window_not_power_of_2"], 48),  # 24 frequencies: not a power of 2
-    "splits_sliding_bf16": (SWEEP["splits_sliding_bf16"], 64),
-    "page_256": (SWEEP["page_256"], 64),
+@dataclasses.dataclass(frozen=True)
+class QkvCase:
+    case: Case
+    rotary_dim: int = 64  # head_dim is 64 unless the case says otherwise: full RoPE
+    tiling: tuple = ()  # (field, value) overrides of the kernel's tiling
+    page_overrides: tuple = ()  # ((request, page index), page id): pages past the pool or negative drop writes
+
+
+QKV_SWEEP = {
+    "partial_rope_bf16": QkvCase(SWEEP["head_dim_128_bf16_gqa4"]),
+    "gqa7_padded_group_quarter_rope": QkvCase(SWEEP["gqa7_padded_group"], rotary_dim=16),
+    "multi_block_partial_window": QkvCase(SWEEP["multi_block_partial_window"]),
+    # window tokens of request 0 and 2 on page -1, of request 1 on a page past the pool: their writes must drop
+    "dropped_window_pages": QkvCase(SWEEP["multi_block_partial_window"],
+                                    page_overrides=(((0, 2), -1), ((2, 1), -1), ((1, 3), 10_000))),
+    # several write passes per query tile, a ragged last query tile, one query per tile
+    "write_passes": QkvCase(SWEEP["multi_block_partial_window"], tiling=(("q_tile", 16), ("window_key_tile", 4))),
+    "ragged_query_tile": QkvCase(SWEEP["window_not_power_of_2"], tiling=(("q_tile", 16),)),
+    "one_query_per_tile_splits": QkvCase(SWEEP["decode_gqa2"], tiling=(("q_tile", 1), ("num_splits", 3))),
+    "padded_batch_slot": QkvCase(SWEEP["padded_batch_slot"]),
+    "prefill_query_tiles": QkvCase(SWEEP["prefill_query_tiles"]),
+    "window_not_power_of_2_rope_48": QkvCase(SWEEP["window_not_power_of_2"], rotary_dim=48),  # 24 frequencies
+    "splits_sliding_bf16": QkvCase(SWEEP["splits_sliding_bf16"]),
 }
 
 
-def check_qkv_case(case, rotary_dim, seed):
+def check_qkv_case(qkv_case, seed):
     """Output against the XLA path on clean inputs; the pool against the XLA write into the poisoned pool (NaN where
-    no committed KV lives), so a write to a wrong row, or one that should have been dropped, fails."""
-    clean, poisoned = make_qkv_inputs(case, seed, rotary_dim)
+    no committed KV lives), so a write to a wrong row, a missing one, or one that should have been dropped fails."""
+    case = qkv_case.case
+    clean, poisoned = make_qkv_inputs(case, seed, qkv_case.rotary_dim, dict(qkv_case.page_overrides))
     kwargs = {"num_heads": case.num_heads, "eps": 1e-6, "block_size": case.block_size,
               "sliding_window": case.sliding_window, "logit_soft_cap": case.logit_soft_cap}
-    if case.num_splits is None:
-        attention = functools.partial(pa.paged_attention_from_qkv, impl="pallas", interpret=INTERPRET, **kwargs)
-    else:
+    tiling = dict(qkv_case.tiling) | ({} if case.num_splits is None else {"num_splits": case.num_splits})
+    if tiling:
         attention = functools.partial(pa._paged_attention_from_qkv_pallas, sm_scale=case.head_dim ** -0.5,
-                                      interpret=INTERPRET, tiling_overrides={"num_splits": case.num_splits}, **kwargs)
+                                      interpret=INTERPRET, tiling_overrides=tiling, **kwargs)
+    else:
+        attention = functools.partial(pa.paged_attention_from_qkv, impl="pallas", interpret=INTERPRET, **kwargs)
     reference = jax.jit(functools.partial(pa.paged_attention_from_qkv, impl="reference", **kwargs))
     with jax.default_matmul_precision("highest"):
         expected_out, *_ = reference(*clean)
@@ -220,7 +247,7 @@ def check_qkv_case(case, rotary_dim, seed):
 
 @pytest.mark.parametrize("name", sorted(QKV_SWEEP))
 def test_from_qkv_matches_reference(name):
-    check_qkv_case(*QKV_SWEEP[name], seed=200 + sorted(QKV_SWEEP).index(name))
+    check_qkv_case(QKV_SWEEP[name], seed=200 + sorted(QKV_SWEEP).index(name))
 
 
 CROSS_LOWERED = {  # (batch, window, heads, kv_heads, head_dim, page_size, width, dtype, kwargs)
@@ -325,7 +352,7 @@ def test_pallas_matches_reference_at_model_sizes(name):
 @pytest.mark.parametrize("name,rotary_dim", [("llada2_decode_batch8", 64), ("sdar_buffer_of_4_blocks", 128),
                                              ("prefill_chunk_512", 64)])
 def test_from_qkv_matches_reference_at_model_sizes(name, rotary_dim):
-    check_qkv_case(GPU_SWEEP[name], rotary_dim, seed=300 + sorted(GPU_SWEEP).index(name))
+    check_qkv_case(QkvCase(GPU_SWEEP[name], rotary_dim), seed=300 + sorted(GPU_SWEEP).index(name))
 
 
 @pytest.mark.gpu
@@ -398,6 +425,22 @@ def test_small_batch_short_context_is_split_across_programs():
     # 8 splits would be 64 programs of 128 rows
     tiling = pa._choose_tiling(q, page_size=32, page_table_width=32, num_kv_heads=8, overrides=None)
     assert 8 * (32 // tiling.q_tile) * tiling.num_splits >= 128 and tiling.num_warps == 4, tiling
+
+
+def test_with_a_prologue_small_grids_narrow_further_and_window_tiles_fit_shared_memory():
+    """With the prologue in the kernel each program also rotates its queries in float32 registers (SDAR batch 1 on
+    the H200: 64-row tiles 4.997 ms per forward, 32-row 4.941), and each window tile is five pipelined loads (32-key
+    tiles asked for 272 KB of shared memory)."""
+    q = jax.ShapeDtypeStruct((1, 32, 32, 128), jnp.bfloat16)
+    plain = pa._choose_tiling(q, page_size=32, page_table_width=32, num_kv_heads=8, overrides=None)
+    fused = pa._choose_tiling(q, page_size=32, page_table_width=32, num_kv_heads=8, overrides=None, prologue=True)
+    assert plain.q_tile * plain.group == 64 and fused.q_tile * fused.group == 32, (plain, fused)
+    assert plain.window_key_tile == 32 and fused.window_key_tile == 16, (plain, fused)
+    # batch 32 fills the SMs: the same tiles either way but the window tile
+    q = jax.ShapeDtypeStruct((32, 32, 16, 128), jnp.bfloat16)
+    plain = pa._choose_tiling(q, page_size=32, page_table_width=32, num_kv_heads=4, overrides=None)
+    fused = pa._choose_tiling(q, page_size=32, page_table_width=32, num_kv_heads=4, overrides=None, prologue=True)
+    assert dataclasses.replace(fused, window_key_tile=plain.window_key_tile) == plain, (plain, fused)
 
 
 def test_a_grid_that_fills_the_sms_is_not_split():
