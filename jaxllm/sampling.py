@@ -1,8 +1,8 @@
 """Per-request sampling: the user's SamplingParams and the on-device proposal of a token per position.
 
 Every random draw for a request comes from fold_in(fold_in(key(seed), absolute position), block step), never from a
-batch-wide key, so a seeded request gives the same tokens alone or in any batch. Greedy (temperature 0) takes the
-argmax, ties to the lowest token id.
+batch-wide key, so a seeded request gives the same tokens alone or in any batch. Greedy (temperature 0, or below
+MIN_TEMPERATURE) takes the argmax, ties to the lowest token id.
 """
 
 import dataclasses
@@ -11,6 +11,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.kernels.top_k_top_p import filter_threshold, kept_segments, order_keys
+
+# A temperature below this samples greedily (as one of 0): logits divided by a tiny temperature overflow float32, and a
+# 2e-38 temperature made the row's confidences NaN.
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclasses.dataclass
@@ -33,6 +37,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not 0.0 <= self.temperature <= 2.0:
             raise ValueError(f"temperature must lie in [0, 2], got {self.temperature}")
+        if self.temperature < MIN_TEMPERATURE:
+            self.temperature = 0.0
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:

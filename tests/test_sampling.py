@@ -194,3 +194,15 @@ def test_propose_lowers_for_the_gpu_without_a_sort_or_a_float_sum_in_xla(batch, 
 def test_invalid_sampling_params_are_rejected(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
+
+
+def test_a_temperature_too_small_to_divide_by_samples_greedily():
+    """Logits over a 2e-38 temperature overflow float32 (every confidence NaN); below MIN_TEMPERATURE a request is
+    greedy: the argmax and its softmax confidence."""
+    logits = 20 * np.random.default_rng(5).standard_normal((1, 4, 64))
+    params = SamplingParams(temperature=2e-38, seed=1)
+    candidates, confidence = run(logits, [1], params.temperature)
+    greedy_candidates, greedy_confidence = run(logits, [1], 0.0)
+    assert np.isfinite(np.asarray(confidence)).all()
+    np.testing.assert_array_equal(np.asarray(candidates), np.asarray(greedy_candidates))
+    np.testing.assert_array_equal(np.asarray(confidence), np.asarray(greedy_confidence))
