@@ -63,7 +63,7 @@ def rope_rows(cos, sin, head_dim, dtype):
     passthrough = head_dim - 2 * cos.shape[-1]
     ones = jnp.ones((*cos.shape[:-1], passthrough), jnp.float32)
     cos_row = jnp.concatenate([cos, cos, ones], axis=-1).astype(dtype)
-    sin_row = jnp.concatenate([-sin, sin, 0 * ones], axis=-1).astype(dtype)
+    sin_row = jnp.concatenate([-sin, sin, jnp.zeros_like(ones)], axis=-1).astype(dtype)
     return cos_row, sin_row
 
 

@@ -606,10 +606,9 @@ def paged_attention_from_qkv(qkv, q_norm_weight, k_norm_weight, cos, sin, k_page
     """
     batch, window, width = qkv.shape
     num_kv_heads, head_dim = k_pages.shape[1], k_pages.shape[4]
-    if width != (num_heads + 2 * num_kv_heads) * head_dim or num_heads % num_kv_heads:
+    if width != (num_heads + 2 * num_kv_heads) * head_dim:
         raise ValueError(f"qkv must be [B, Q, (H + 2K) * D] = [{batch}, {window}, "
-                         f"{(num_heads + 2 * num_kv_heads) * head_dim}] with H a multiple of K={num_kv_heads}, "
-                         f"got {qkv.shape} for H={num_heads}")
+                         f"{(num_heads + 2 * num_kv_heads) * head_dim}], got {qkv.shape}")
     if cos.shape[:2] != (batch, window) or sin.shape != cos.shape or 2 * cos.shape[2] > head_dim:
         raise ValueError(f"cos/sin must be [B={batch}, Q={window}, R/2 <= D/2], got {cos.shape}, {sin.shape}")
     if q_norm_weight.shape != (head_dim,) or k_norm_weight.shape != (head_dim,):
