@@ -196,6 +196,9 @@ class EngineConfig:
     num_pages: int | None = None  # KV pool size; None: sized from gpu_memory_utilization
     gpu_memory_utilization: float = 0.9
     max_steps_per_round: int | None = None  # denoising steps per device call; None: enough to finish a block
+    # the LM head and sampler run on the window positions a step reads, padded to quarters of the batch's rows but
+    # never fewer than this: below it the LM head's weight read bounds it (H200: ~200 rows), so fewer rows save nothing
+    min_logit_rows: int = 256
     enable_prefix_caching: bool = True
     max_waiting_requests: int = 1024
     # seconds a request may wait to be scheduled (from add_request); later it finishes "queue_timeout". None: no limit
@@ -210,7 +213,7 @@ class EngineConfig:
         if self.quantization not in (None, "int8", "fp8"):
             raise ConfigError(f"quantization must be None, 'int8' or 'fp8', got {self.quantization!r}")
         for knob in ("block_size", "page_size", "max_num_seqs", "max_model_len", "max_num_batched_tokens",
-                     "num_pages", "max_steps_per_round", "max_waiting_requests"):
+                     "num_pages", "max_steps_per_round", "max_waiting_requests", "min_logit_rows"):
             value = getattr(self, knob)
             if value is not None and value < 1:
                 raise ConfigError(f"{knob} must be >= 1, got {value}")

@@ -75,18 +75,34 @@ def _progress(is_mask, fixed):
     return 1.0 - is_mask.sum(axis=-1) / open_positions
 
 
+def _window_masks(state: WindowState, cfg: DecodingConfig, block_size: int, mask_token_id: int):
+    """Per block [B, N, S]: tokens, fixed, is_mask, eligible (masked, in an active block); per block [B, N]: active,
+    editing_on (joint_threshold: the block may still rewrite filled positions; else None)."""
+    tokens, fixed = _per_block(state.tokens, block_size), _per_block(state.fixed, block_size)
+    active = jnp.arange(tokens.shape[1])[None, :] < state.num_active_blocks[:, None]  # [B, N]
+    is_mask = (tokens == mask_token_id) & ~fixed  # a prompt may hold the mask id itself: it stays as given
+    editing_on = active & (state.post_steps < cfg.max_post_steps) if cfg.strategy == "joint_threshold" else None
+    return tokens, fixed, is_mask, is_mask & active[..., None], active, editing_on
+
+
+def read_positions(state: WindowState, cfg: DecodingConfig, *, block_size: int, mask_token_id: int):
+    """bool[B, Q]: the positions whose candidate and confidence `update` reads (masked positions of active blocks;
+    with joint_threshold also the filled, non-prompt positions of blocks still editing). A step proposes tokens for
+    these only: in a block's verifying forward there are none."""
+    _, fixed, _, eligible, _, editing_on = _window_masks(state, cfg, block_size, mask_token_id)
+    read = eligible if editing_on is None else eligible | (editing_on[..., None] & ~fixed)
+    return read.reshape(state.tokens.shape)
+
+
 def update(state: WindowState, candidates, confidence, max_blocks, cfg: DecodingConfig, *, block_size: int,
            mask_token_id: int):
-    """One decoding step. candidates i32[B, Q], confidence f32[B, Q], max_blocks i32[B].
+    """One decoding step. candidates i32[B, Q], confidence f32[B, Q], max_blocks i32[B]; only their values at
+    `read_positions` matter.
 
     Returns (new state, complete bool[B, N]) where complete marks the window's leading run of finished blocks.
     """
-    tokens, fixed = _per_block(state.tokens, block_size), _per_block(state.fixed, block_size)
+    tokens, fixed, is_mask, eligible, active, editing_on = _window_masks(state, cfg, block_size, mask_token_id)
     cand, conf = _per_block(candidates, block_size), _per_block(confidence, block_size)
-    num_blocks = tokens.shape[1]
-    active = jnp.arange(num_blocks)[None, :] < state.num_active_blocks[:, None]  # [B, N]
-    is_mask = (tokens == mask_token_id) & ~fixed  # a prompt may hold the mask id itself: it stays as given
-    eligible = is_mask & active[..., None]
     masks_in = is_mask.sum(axis=-1)
     block_masks = jnp.where(state.block_steps == 0, masks_in, state.block_masks)
 
@@ -98,8 +114,7 @@ def update(state: WindowState, candidates, confidence, max_blocks, cfg: Decoding
         force = _forced_blocks(is_mask, fixed, active, cfg.semi_complete_threshold)
         write = _threshold_transfer(conf, eligible, cfg.threshold, force)
     post_steps = state.post_steps
-    if cfg.strategy == "joint_threshold":
-        editing_on = active & (post_steps < cfg.max_post_steps)
+    if editing_on is not None:
         write |= (editing_on[..., None] & ~fixed & ~is_mask & (cand != tokens) & (conf > cfg.editing_threshold))
 
     new_tokens = jnp.where(write, cand, tokens)

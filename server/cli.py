@@ -51,6 +51,8 @@ ENGINE_FLAGS = [
     ("--max-queue-time", float, "seconds a request may wait to be scheduled; later it gets 408 (default: no limit)"),
     ("--max-steps-per-round", int, "denoising steps per device call (default: enough to finish a block); lower "
                                    "lets arriving requests start sooner at some throughput"),
+    ("--min-logit-rows", int, "fewest rows the LM head runs on when a step reads fewer positions than the batch "
+                              "holds (default 256)"),
     ("--compilation-cache-dir", str, "persistent XLA compilation cache, so a restart compiles nothing"),
     ("--seed", int, "draws seeds for requests that bring none"),
 ]

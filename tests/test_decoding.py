@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from jaxllm.config import ConfigError, DecodingConfig
-from jaxllm.decoding import WindowState, update
+from jaxllm.decoding import WindowState, read_positions, update
 
 M = 1  # mask id
 BLOCK = 4
@@ -174,3 +174,36 @@ def test_a_preset_is_an_option_that_explicit_settings_override():
         split_options(dict(decoding_preset="speed", decoding_strategy="threshold"))
     with pytest.raises(ConfigError):
         split_options(dict(decoding_preset="fastest"))
+
+
+@pytest.mark.parametrize("cfg", [DecodingConfig("threshold", threshold=0.5, buffer_size=2, add_block_threshold=0.5,
+                                                semi_complete_threshold=0.5),
+                                 DecodingConfig("fixed_steps", denoising_steps=2, buffer_size=2),
+                                 DecodingConfig("joint_threshold", threshold=0.5, editing_threshold=0.3,
+                                                max_post_steps=2, buffer_size=2)],
+                         ids=["threshold", "fixed_steps", "joint_threshold"])
+def test_update_reads_proposals_only_at_read_positions(cfg):
+    """The engine proposes tokens only at read_positions (the LM head runs on those rows): whatever stands
+    elsewhere, the step writes the same tokens, and a window with nothing to read (a verifying step) completes."""
+    rng = np.random.default_rng(0)
+    checked_writes = 0
+    for _ in range(40):
+        tokens = np.where(rng.random(2 * BLOCK) < 0.5, M, rng.integers(2, 9, 2 * BLOCK))
+        fixed = (np.arange(2 * BLOCK) < rng.integers(0, 3)).tolist()
+        state = window(tokens, fixed, num_active=int(rng.integers(1, 3)), block_steps=[int(rng.integers(0, 2)), 0],
+                       post_steps=[int(rng.integers(0, 3)), 0])
+        read = np.asarray(read_positions(state, cfg, block_size=BLOCK, mask_token_id=M)[0])
+        candidates, confidence = rng.integers(2, 9, 2 * BLOCK), rng.random(2 * BLOCK)
+        scrambled = (np.where(read, candidates, rng.integers(2, 9, 2 * BLOCK)),
+                     np.where(read, confidence, rng.random(2 * BLOCK)))
+        expected, expected_complete = step(state, candidates, confidence, cfg, max_blocks=2)
+        got, got_complete = step(state, *scrambled, cfg, max_blocks=2)
+        assert tokens_of(got) == tokens_of(expected) and (got_complete == expected_complete).all()
+        for name in ("num_active_blocks", "block_steps", "block_masks", "post_steps"):
+            np.testing.assert_array_equal(getattr(got, name), getattr(expected, name))
+        checked_writes += tokens_of(expected) != tokens_of(state)
+    assert checked_writes > 10  # the trials wrote tokens, so the reads mattered
+
+    filled = window([5, 6, 7, 8, 1, 1, 1, 1], num_active=1)
+    assert read_positions(filled, cfg, block_size=BLOCK, mask_token_id=M).sum() == (
+        4 if cfg.strategy == "joint_threshold" else 0)  # an editing block still reads its filled tokens

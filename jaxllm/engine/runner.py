@@ -2,8 +2,9 @@
 
 Two jitted functions, one compile per shape bucket:
   prefill        writes the KV of prompt chunks [B, C] into their pages; nothing comes back.
-  denoise_round  a lax.while_loop of denoising steps over every request's window [B, Q]: forward, logits,
-                 proposal, strategy update, until some request's front block is complete or the step cap is hit.
+  denoise_round  a lax.while_loop of denoising steps over every request's window [B, Q]: forward, logits and
+                 proposals at the positions the strategy reads, strategy update, until some request's front block is
+                 complete or the step cap is hit.
                  Only the window tokens and counters come back; logits never leave the device.
 Weights are split from the NNX graph once and passed as a flat list of arrays; the KV pool is donated and updated in
 place.
@@ -49,6 +50,7 @@ class StepSpec:
     block_size: int
     mask_token_id: int
     num_real_tokens: int  # ids at or beyond this (padded vocab rows) are never proposed
+    min_logit_rows: int = 256  # EngineConfig.min_logit_rows
     attention_impl: str = "auto"
 
 
@@ -79,6 +81,70 @@ def _proposable_tokens(vocab_size: int, spec: StepSpec):
     return (vocab_ids < spec.num_real_tokens) & (vocab_ids != spec.mask_token_id)
 
 
+def logit_row_buckets(num_rows: int, min_rows: int) -> list[int]:
+    """Row counts the LM head and sampler may run on in a step over num_rows window positions: 0 (a block's verifying
+    forward reads no proposal), the quarters of num_rows that are at least min_rows, and num_rows."""
+    quarters = {max(min_rows, -(-num_rows * k // 4)) for k in (1, 2, 3)}
+    return [0, *sorted(rows for rows in quarters if rows < num_rows), num_rows]
+
+
+def _propose_read_positions(model, hidden, read, state: WindowState, inputs: RoundInputs, positions, *,
+                            spec: StepSpec):
+    """Candidates i32[B, Q] and confidences f32[B, Q] at the positions `read` bool[B, Q]; elsewhere the window's
+    token and -inf (which `decoding.update` never reads).
+
+    The LM head and the sampler run on the read rows only, gathered to the front and padded to the smallest of
+    `logit_row_buckets` that holds them, one lax.switch branch per bucket. At batch 32 the LM head is a
+    compute-bound GEMM (1024 x 2048 x 157k for LLaDA2: ~0.84 ms per forward on the H200) while a block's masks fall
+    from 32 to 0 over its steps; below ~200 rows its weight read bounds it and fewer rows save nothing, hence
+    min_logit_rows. Each row is sampled as a request of one position (its own seed, position and step), so a row
+    proposes the same token in any bucket.
+    """
+    batch, window = read.shape
+    num_rows = batch * window
+
+    def by_row(x):  # [B, Q, ...] -> [B * Q, ...]
+        return x.reshape(num_rows, *x.shape[2:])
+
+    def per_row(x):  # [B] -> [B * Q]
+        return jnp.repeat(x, window)
+
+    read = read.reshape(num_rows)
+    num_read = read.sum()
+    # a permutation with the read rows first, in order (cumulative counts, no sort: a sort would split the loop
+    # body's CUDA graph, as noted in tests/test_sampling.py)
+    rank = jnp.where(read, jnp.cumsum(read) - 1, num_read + jnp.cumsum(~read) - 1)
+    order = jnp.zeros(num_rows, jnp.int32).at[rank].set(jnp.arange(num_rows, dtype=jnp.int32))
+    tokens = by_row(state.tokens)
+    unread = jnp.full(num_rows, -jnp.inf, jnp.float32)
+    steps = jnp.repeat(state.block_steps, spec.block_size, axis=1)
+    row_inputs = (by_row(hidden), per_row(inputs.seeds), by_row(positions), by_row(steps),
+                  per_row(inputs.temperature), per_row(inputs.top_k), per_row(inputs.top_p))
+
+    def rows_of(num):
+        if num == 0:
+            return lambda: (tokens, unread)
+
+        def propose_rows():
+            taken = row_inputs if num == num_rows else [x[order[:num]] for x in row_inputs]
+            row_hidden, seeds, row_positions, row_steps, temperature, top_k, top_p = taken
+            with jax.named_scope("lm_head"):  # scopes name the parts in device profiles (tools/device_profile.py)
+                logits = model.head(row_hidden)[:, None]  # the model's dtype: the sampler reads them as float32
+            with jax.named_scope("sampler"):
+                candidates, confidence = propose(logits, seeds, row_positions[:, None], row_steps[:, None],
+                                                 temperature, top_k, top_p,
+                                                 _proposable_tokens(logits.shape[-1], spec))
+            if num == num_rows:
+                return candidates[:, 0], confidence[:, 0]
+            return tokens.at[order[:num]].set(candidates[:, 0]), unread.at[order[:num]].set(confidence[:, 0])
+        return propose_rows
+
+    buckets = logit_row_buckets(num_rows, spec.min_logit_rows)
+    bucket = jnp.sum(num_read > jnp.asarray(buckets))  # the smallest bucket holding every read row
+    candidates, confidence = jax.lax.switch(bucket, [rows_of(num) for num in buckets])
+    return candidates.reshape(batch, window), confidence.reshape(batch, window)
+
+
 def denoise_round(graphdef, params, kv: KVCache, inputs: RoundInputs, *, spec: StepSpec):
     """Denoising steps until a front block completes (or inputs.max_steps). Returns (kv, window, complete, forwards)."""
     batch, window_size = inputs.window.tokens.shape
@@ -91,12 +157,10 @@ def denoise_round(graphdef, params, kv: KVCache, inputs: RoundInputs, *, spec: S
         md = AttentionMetadata(inputs.page_table, inputs.context_lens, state.num_active_blocks * spec.block_size,
                                spec.block_size, spec.attention_impl)
         hidden, kv = model(state.tokens, kv, md)
-        with jax.named_scope("lm_head"):  # scopes name the parts in device profiles (tools/device_profile.py)
-            logits = model.head(hidden)  # the model's dtype: the sampler's passes read them as float32
+        read = decoding.read_positions(state, spec.decoding, block_size=spec.block_size,
+                                       mask_token_id=spec.mask_token_id)
+        candidates, confidence = _propose_read_positions(model, hidden, read, state, inputs, positions, spec=spec)
         with jax.named_scope("sampler"):
-            steps = jnp.repeat(state.block_steps, spec.block_size, axis=1)
-            candidates, confidence = propose(logits, inputs.seeds, positions, steps, inputs.temperature,
-                                             inputs.top_k, inputs.top_p, _proposable_tokens(logits.shape[-1], spec))
             state, complete = decoding.update(state, candidates, confidence, inputs.max_blocks, spec.decoding,
                                               block_size=spec.block_size, mask_token_id=spec.mask_token_id)
         return forwards + 1, state, kv, complete
