@@ -190,6 +190,7 @@ def main() -> None:
     parser.add_argument("--strategy", default="fixed_steps", choices=["fixed_steps", "threshold"])
     parser.add_argument("--denoising-steps", type=int, help="fixed_steps: steps per block (default: block size)")
     parser.add_argument("--threshold", type=float)
+    parser.add_argument("--min-logit-rows", type=int, help="fewest rows the LM head runs on (default: the engine's)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--quantization", choices=["int8", "fp8"])
     parser.add_argument("--qk-norm-scale", type=float, default=1.0,
@@ -270,8 +271,9 @@ def make_llm(args, model_dir: pathlib.Path, max_batch: int) -> LLM:
                    max_model_len=max_model_len, max_num_batched_tokens=max_batch * padded_prompt,
                    quantization=args.quantization, num_pages=2 * max_batch * (-(-max_model_len // page_size) + 1),
                    enable_prefix_caching=False)  # the timed pass repeats the warm-up's prompts: do all the work
-    if args.block_size:
-        options["block_size"] = args.block_size
+    for name in ("block_size", "min_logit_rows"):
+        if getattr(args, name):
+            options[name] = getattr(args, name)
     if args.strategy == "fixed_steps":
         options["denoising_steps"] = args.denoising_steps  # None: the engine takes the block size
     elif args.threshold is not None:
