@@ -196,8 +196,9 @@ class EngineConfig:
     num_pages: int | None = None  # KV pool size; None: sized from gpu_memory_utilization
     gpu_memory_utilization: float = 0.9
     max_steps_per_round: int | None = None  # denoising steps per device call; None: enough to finish a block
-    # the LM head and sampler run on the window positions a step reads, padded to quarters of the batch's rows but
-    # never fewer than this: below it the LM head's weight read bounds it (H200: ~200 rows), so fewer rows save nothing
+    # the LM head and sampler run on the window positions a step reads, padded to a quarter, a half, three quarters or
+    # all of the batch's rows, a part no smaller than this (or none when no position is read): below it the LM head's
+    # weight read bounds it (H200: ~200 rows), so fewer rows save nothing
     min_logit_rows: int = 256
     enable_prefix_caching: bool = True
     max_waiting_requests: int = 1024

@@ -2,8 +2,8 @@
 
 A window holds `buffer_size` blocks of `block_size` tokens at absolute, block-aligned positions; the first
 `num_active_blocks` are being denoised, the rest are placeholders. Each step, given a candidate token and its
-confidence for every position (sampling.propose), a strategy writes some masked positions (mask -> token) and,
-for editing strategies, rewrites some filled ones (token -> token):
+confidence (sampling.propose) at the positions it reads (`read_positions`), a strategy writes some masked positions
+(mask -> token) and, for editing strategies, rewrites some filled ones (token -> token):
 
   threshold        every masked position with confidence >= threshold; the front block with masks (and a block
                    whose predecessor is at least semi_complete_threshold full) always takes its most confident one
@@ -88,7 +88,7 @@ def _window_masks(state: WindowState, cfg: DecodingConfig, block_size: int, mask
 def read_positions(state: WindowState, cfg: DecodingConfig, *, block_size: int, mask_token_id: int):
     """bool[B, Q]: the positions whose candidate and confidence `update` reads (masked positions of active blocks;
     with joint_threshold also the filled, non-prompt positions of blocks still editing). A step proposes tokens for
-    these only: in a block's verifying forward there are none."""
+    these only: none in a verifying forward, unless its block may still edit."""
     _, fixed, _, eligible, _, editing_on = _window_masks(state, cfg, block_size, mask_token_id)
     read = eligible if editing_on is None else eligible | (editing_on[..., None] & ~fixed)
     return read.reshape(state.tokens.shape)

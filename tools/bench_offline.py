@@ -272,7 +272,7 @@ def make_llm(args, model_dir: pathlib.Path, max_batch: int) -> LLM:
                    quantization=args.quantization, num_pages=2 * max_batch * (-(-max_model_len // page_size) + 1),
                    enable_prefix_caching=False)  # the timed pass repeats the warm-up's prompts: do all the work
     for name in ("block_size", "min_logit_rows"):
-        if getattr(args, name):
+        if getattr(args, name) is not None:
             options[name] = getattr(args, name)
     if args.strategy == "fixed_steps":
         options["denoising_steps"] = args.denoising_steps  # None: the engine takes the block size

@@ -50,7 +50,7 @@ class StepSpec:
     block_size: int
     mask_token_id: int
     num_real_tokens: int  # ids at or beyond this (padded vocab rows) are never proposed
-    min_logit_rows: int = 256  # EngineConfig.min_logit_rows
+    min_logit_rows: int  # EngineConfig.min_logit_rows
     attention_impl: str = "auto"
 
 
@@ -82,23 +82,25 @@ def _proposable_tokens(vocab_size: int, spec: StepSpec):
 
 
 def logit_row_buckets(num_rows: int, min_rows: int) -> list[int]:
-    """Row counts the LM head and sampler may run on in a step over num_rows window positions: 0 (a block's verifying
-    forward reads no proposal), the quarters of num_rows that are at least min_rows, and num_rows."""
+    """Row counts the LM head and sampler may run on in a step over num_rows window positions: 0 (no request reads a
+    proposal, as in a verifying forward without editing), the quarters of num_rows raised to at least min_rows, and
+    num_rows."""
     quarters = {max(min_rows, -(-num_rows * k // 4)) for k in (1, 2, 3)}
     return [0, *sorted(rows for rows in quarters if rows < num_rows), num_rows]
 
 
-def _propose_read_positions(model, hidden, read, state: WindowState, inputs: RoundInputs, positions, *,
-                            spec: StepSpec):
-    """Candidates i32[B, Q] and confidences f32[B, Q] at the positions `read` bool[B, Q]; elsewhere the window's
-    token and -inf (which `decoding.update` never reads).
+def proposals_at_read_positions(model, hidden, read, state: WindowState, inputs: RoundInputs, positions, *,
+                                spec: StepSpec):
+    """Candidates i32[B, Q] and confidences f32[B, Q] at the positions `read` bool[B, Q]; elsewhere anything
+    (`decoding.update` never reads it: the window's token and -inf, or a proposal of a padding row).
 
     The LM head and the sampler run on the read rows only, gathered to the front and padded to the smallest of
     `logit_row_buckets` that holds them, one lax.switch branch per bucket. At batch 32 the LM head is a
     compute-bound GEMM (1024 x 2048 x 157k for LLaDA2: ~0.84 ms per forward on the H200) while a block's masks fall
     from 32 to 0 over its steps; below ~200 rows its weight read bounds it and fewer rows save nothing, hence
-    min_logit_rows. Each row is sampled as a request of one position (its own seed, position and step), so a row
-    proposes the same token in any bucket.
+    min_logit_rows. Each row is sampled as a request of one position (its own seed, position and step), so the
+    sampler gives a row the same token in any bucket; its logits are the same bits only where the LM head's GEMM
+    gives a row the same bits at every row count (cuBLAS picks its kernel per count), as already across batch sizes.
     """
     batch, window = read.shape
     num_rows = batch * window
@@ -159,7 +161,7 @@ def denoise_round(graphdef, params, kv: KVCache, inputs: RoundInputs, *, spec: S
         hidden, kv = model(state.tokens, kv, md)
         read = decoding.read_positions(state, spec.decoding, block_size=spec.block_size,
                                        mask_token_id=spec.mask_token_id)
-        candidates, confidence = _propose_read_positions(model, hidden, read, state, inputs, positions, spec=spec)
+        candidates, confidence = proposals_at_read_positions(model, hidden, read, state, inputs, positions, spec=spec)
         with jax.named_scope("sampler"):
             state, complete = decoding.update(state, candidates, confidence, inputs.max_blocks, spec.decoding,
                                               block_size=spec.block_size, mask_token_id=spec.mask_token_id)

@@ -10,7 +10,6 @@ import pytest
 from jaxllm import LLM, SamplingParams
 from jaxllm.config import ConfigError
 from jaxllm.engine.engine import CompilationAfterWarmup
-from jaxllm.engine.runner import logit_row_buckets
 
 # 16 pages of 4 tokens: one request at a time always fits, four long ones at once do not (preemption)
 OPTIONS = dict(dtype="float32", block_size=4, max_num_seqs=4, max_model_len=64, num_pages=16)
@@ -272,19 +271,16 @@ def test_every_strategy_generates_to_the_end(checkpoint, options):
     assert llm.engine.kv_cache_usage == 0.0
 
 
-def test_lm_head_row_buckets():
-    assert logit_row_buckets(1024, 256) == [0, 256, 512, 768, 1024]  # LLaDA2 batch 32
-    assert logit_row_buckets(512, 256) == [0, 256, 384, 512]
-    assert logit_row_buckets(32, 256) == [0, 32]  # batch 1: only a verifying forward skips the LM head
-
-
 def test_the_lm_head_on_the_read_rows_only_gives_the_same_tokens(checkpoints):
     """min_logit_rows=1 runs the LM head and sampler on the rows a step reads (masks, and filled tokens while a block
-    may edit), gathered into buckets of a quarter, half, ... of the batch's rows (8, 16, 24, 32 here; the default
-    runs every row): each row keeps its own seed, position and step, and its proposal lands back where it belongs."""
+    may edit), gathered into buckets of a quarter, a half, ... of the batch's rows (the default runs all rows or,
+    when none is read, none): each row keeps its request's seed and settings, its position and step, and its
+    proposal lands back where it belongs."""
     options = dict(decoding_strategy="joint_threshold", threshold=0.5, editing_threshold=0.0, max_post_steps=2,
                    buffer_size=2, add_block_threshold=0.5, **OPTIONS)
-    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, seed=3)
+    params = [SamplingParams(max_tokens=12, ignore_eos=True, **settings) for settings in (
+        dict(temperature=1.0, seed=3), dict(), dict(temperature=1.0, top_k=20, seed=5),
+        dict(temperature=0.8, top_p=0.9, seed=9))]
     every_row = LLM(checkpoints("sdar"), **options).generate(PROMPTS, params)
     read_rows = LLM(checkpoints("sdar"), min_logit_rows=1, **options)
     assert token_ids(read_rows.generate(PROMPTS, params)) == token_ids(every_row)

@@ -1,0 +1,62 @@
+"""The device step's LM head on the positions a strategy reads: row buckets, and which rows get which proposal."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.config import DecodingConfig
+from jaxllm.decoding import WindowState
+from jaxllm.engine.runner import RoundInputs, StepSpec, logit_row_buckets, proposals_at_read_positions
+
+
+def test_lm_head_row_buckets():
+    assert logit_row_buckets(1024, 256) == [0, 256, 512, 768, 1024]  # LLaDA2 batch 32
+    assert logit_row_buckets(512, 256) == [0, 256, 384, 512]
+    assert logit_row_buckets(32, 256) == [0, 32]  # batch 1: all rows, or none
+    assert logit_row_buckets(8, 1) == [0, 2, 4, 6, 8]
+
+
+def test_each_read_row_gets_its_own_proposal_from_the_smallest_bucket_that_holds_the_reads():
+    """A stand-in LM head proposes token row + num_rows * (its bucket's index): every read position gets its own
+    row's proposal, computed in the smallest bucket that holds all reads (a bucket too small would leave reads
+    without a proposal and stall the engine; one too large only costs time, which no engine test would see)."""
+    batch, window, block = 2, 4, 4
+    num_rows = batch * window
+    buckets = logit_row_buckets(num_rows, 1)  # [0, 2, 4, 6, 8]
+    vocab = num_rows * len(buckets) + 1
+    mask_id = vocab - 1
+
+    class Head:
+        def head(self, hidden):  # hidden [R, 1] holds each row's index
+            token = hidden[:, 0].astype(jnp.int32) + num_rows * buckets.index(hidden.shape[0])
+            return 30.0 * jax.nn.one_hot(token, vocab)
+
+    spec = StepSpec(decoding=DecodingConfig("threshold", threshold=0.5), block_size=block, mask_token_id=mask_id,
+                    num_real_tokens=vocab, min_logit_rows=1)
+    hidden = jnp.arange(num_rows, dtype=jnp.float32).reshape(batch, window, 1)
+    zeros, blocks = jnp.zeros(batch, jnp.int32), jnp.zeros((batch, 1), jnp.int32)
+
+    @jax.jit
+    def propose(tokens, read):
+        state = WindowState(tokens, jnp.zeros_like(read), jnp.ones(batch, jnp.int32), blocks, blocks, blocks)
+        inputs = RoundInputs(state, zeros, jnp.zeros((batch, 1), jnp.int32), jnp.ones(batch, jnp.int32),
+                             jnp.arange(batch, dtype=jnp.uint32), jnp.zeros(batch, jnp.float32),
+                             jnp.full(batch, -1, jnp.int32), jnp.ones(batch, jnp.float32), jnp.int32(1))
+        positions = jnp.broadcast_to(jnp.arange(window, dtype=jnp.int32), (batch, window))
+        return proposals_at_read_positions(Head(), hidden, read, state, inputs, positions, spec=spec)
+
+    rng = np.random.default_rng(0)
+    seen = set()
+    for _ in range(40):
+        read = rng.random((batch, window)) < rng.random()
+        tokens = np.where(read, mask_id, rng.integers(0, num_rows, (batch, window))).astype(np.int32)
+        candidates, confidence = (np.asarray(x) for x in propose(tokens, read))
+        count = int(read.sum())
+        bucket = min(b for b in buckets if b >= count)
+        seen.add(bucket)
+        rows = np.arange(num_rows).reshape(batch, window)
+        np.testing.assert_array_equal(candidates[read], rows[read] + num_rows * buckets.index(bucket))
+        assert (confidence[read] > 0.99).all()
+        if count == 0:  # the LM head did not run: the window stays as it is
+            np.testing.assert_array_equal(candidates, tokens)
+    assert seen == set(buckets)
