@@ -7,6 +7,7 @@ import numpy as np
 from jaxllm.config import DecodingConfig
 from jaxllm.decoding import WindowState
 from jaxllm.engine.runner import RoundInputs, StepSpec, logit_row_buckets, proposals_at_read_positions
+from jaxllm.sampling import propose
 
 
 def test_lm_head_row_buckets():
@@ -60,3 +61,37 @@ def test_each_read_row_gets_its_own_proposal_from_the_smallest_bucket_that_holds
         if count == 0:  # the LM head did not run: the window stays as it is
             np.testing.assert_array_equal(candidates, tokens)
     assert seen == set(buckets)
+
+
+def test_a_read_row_samples_with_its_requests_seed_its_position_and_its_blocks_step():
+    """Seeded sampling draws from (seed, absolute position, the step of the position's block): the step's rows, two
+    blocks per window at different steps, sample as propose does for each one alone."""
+    batch, window, block, vocab = 2, 8, 4, 50
+    num_rows = batch * window
+    table = jnp.asarray(np.random.default_rng(1).normal(size=(num_rows, vocab)), jnp.float32)
+
+    class Head:
+        def head(self, hidden):  # hidden [R, 1] holds each row's index
+            return table[hidden[:, 0].astype(jnp.int32)]
+
+    spec = StepSpec(decoding=DecodingConfig("threshold", threshold=0.5), block_size=block, mask_token_id=vocab - 1,
+                    num_real_tokens=vocab, min_logit_rows=1)
+    seeds = jnp.array([11, 12], jnp.uint32)
+    block_steps = jnp.array([[3, 7], [1, 5]], jnp.int32)
+    context_lens = jnp.array([8, 40], jnp.int32)
+    temperature = jnp.ones(batch, jnp.float32)
+    read = np.random.default_rng(2).random((batch, window)) < 0.6
+    state = WindowState(jnp.full((batch, window), vocab - 1, jnp.int32), jnp.zeros((batch, window), bool),
+                        jnp.full(batch, 2, jnp.int32), block_steps, block_steps, jnp.zeros_like(block_steps))
+    inputs = RoundInputs(state, context_lens, jnp.zeros((batch, 1), jnp.int32), jnp.full(batch, 2, jnp.int32), seeds,
+                         temperature, jnp.full(batch, -1, jnp.int32), jnp.ones(batch, jnp.float32), jnp.int32(1))
+    positions = context_lens[:, None] + jnp.arange(window, dtype=jnp.int32)[None, :]
+    hidden = jnp.arange(num_rows, dtype=jnp.float32).reshape(batch, window, 1)
+    candidates, _ = jax.jit(lambda r: proposals_at_read_positions(Head(), hidden, r, state, inputs, positions,
+                                                                  spec=spec))(read)
+    propose_one = jax.jit(propose)
+    allowed = jnp.arange(vocab) != vocab - 1  # as the engine: never the mask id
+    alone = [[int(propose_one(table[b * window + q][None, None], seeds[b:b + 1], positions[b:b + 1, q:q + 1],
+                              block_steps[b:b + 1, q // block, None], temperature[b:b + 1], jnp.array([-1]),
+                              jnp.ones(1), allowed)[0][0, 0]) for q in range(window)] for b in range(batch)]
+    np.testing.assert_array_equal(np.asarray(candidates)[read], np.asarray(alone)[read])
