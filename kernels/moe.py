@@ -29,7 +29,8 @@ Pallas path, all on device with static shapes:
   2. gate_up kernel, grid (S+R, I/bn): row tile r gathers its tokens' rows of x and multiplies them by its expert's
      gate and up columns (tile_expert[r - S]; every-token, expert r - S if chosen) -> act[(S+R)*bm, I] =
      silu(gate) * up;
-  3. down kernel, grid (S+R, H/bn): act rows @ that expert's w_down -> out_rows[(S+R)*bm, H];
+  3. down kernel, grid (S+R, H/bn): act rows @ that expert's w_down -> out_rows[(S+R)*bm, H]; where the tiles say
+     `persistent_down`, one program per SM instead walks the (row tile, column tile) items in one flat loop;
   4. out[t] = sum_c w[t,c] * out_rows[S*bm + row of (t, c)] (a gather and a sum over C), plus out_rows[t].
 S is 0, or with a shared expert (`shared=`, every token at weight 1) of the experts' width ceil(T / bm): its row
 tiles hold the tokens in order and come first in the grid (so their programs start in the first wave). That holds
@@ -243,11 +244,13 @@ class GemmTiles:
 
 @dataclasses.dataclass(frozen=True)
 class MoeTiles:
-    """Rows per tile of the expert-sorted assignments, and the tiling of the two GEMMs."""
+    """Rows per tile of the expert-sorted assignments, and the tiling of the two GEMMs. persistent_down: the down
+    GEMM runs as `_persistent_down_kernel` (plain weights in grouped tiles of >= _HALF_TILE_MIN_BLOCK_M rows only)."""
 
     block_m: int
     gate_up: GemmTiles
     down: GemmTiles
+    persistent_down: bool = False
 
 
 def _fit_block(dim, preferred):
@@ -278,6 +281,7 @@ def default_tiles(num_tokens, top_k, num_experts, hidden, inter, weights="plain"
         raise ValueError(f"unknown weight format {weights!r}; use one of {WEIGHT_FORMATS}")
     upcast_weights = weights == "upcast"
     rows_per_expert = num_tokens * top_k / num_experts
+    persistent_down = False
     if rows_per_expert <= 16 and upcast_weights:  # memory-bound, 1-byte weights: deep k tiles keep bytes in flight,
         # 8 warps share the up-cast of a 64 x 256 tile (MoE run 8)
         block_m, gate_up, down = 16, GemmTiles(64, 256, 8, 3), GemmTiles(128, 128, 4, 3)
@@ -285,6 +289,11 @@ def default_tiles(num_tokens, top_k, num_experts, hidden, inter, weights="plain"
         block_m, gate_up, down = 16, GemmTiles(128, 128, 4, 3), GemmTiles(256, 64, 4, 3)
     elif rows_per_expert <= 96:
         block_m, gate_up, down = 64, GemmTiles(128, 64, 4, 4), GemmTiles(256, 64, 4, 4)
+        if weights == "plain" and num_tokens > block_m:  # grouped plain tiles: `_persistent_down_kernel`, whose 5
+            # stages keep two K slices in flight behind each item's expert id. LLaDA2 batch 32 on the H200: the
+            # routed down GEMM 203 -> 186 us per layer alone (4 stages: 199), 12.167 -> 11.922 / 11.833 ms per
+            # forward (engine run 22)
+            persistent_down, down = True, GemmTiles(256, 64, 4, 5)
     elif upcast_weights:  # compute-bound; the wider tiles below were 5-10% slower for these at 8192 tokens
         block_m, gate_up, down = 128, GemmTiles(64, 64, 8, 3), GemmTiles(128, 64, 8, 3)
     else:  # compute-bound
@@ -302,6 +311,7 @@ def default_tiles(num_tokens, top_k, num_experts, hidden, inter, weights="plain"
         dataclasses.replace(gate_up, block_n=_fit_block(inter, gate_up.block_n),
                             block_k=_fit_block(hidden, gate_up.block_k)),
         dataclasses.replace(down, block_n=_fit_block(hidden, down.block_n), block_k=_fit_block(inter, down.block_k)),
+        persistent_down,
     )
 
 
@@ -627,6 +637,57 @@ def _down_kernel(experts_ref, act_ref, *refs, block_m, tiles, has_act_scale, has
         pl.when(row_tile < num_shared_tiles)(lambda: tile(shared_ref, 0, None, False, block_m))
 
 
+def _persistent_down_kernel(tile_expert_ref, tile_rows_ref, act_ref, w_ref, *refs, block_m, tiles, num_programs,
+                            num_shared_tiles, interpret):
+    # tile_expert i32[R], tile_rows i32[R], act [(S+R)*bm, I], w [E, I, H], (shared [1, I, H]) -> out [(S+R)*bm, H]
+    # One program per SM. An item is a (row tile, column tile) pair; program p takes items p, p + P, p + 2P, ...
+    shared_ref, out_ref = refs if num_shared_tiles else (None, refs[0])
+    program = pl.program_id(0)
+    num_col_tiles, num_k_steps = w_ref.shape[2] // tiles.block_n, w_ref.shape[1] // tiles.block_k
+    row_in_tile, col_in_tile = lax.iota(jnp.int32, block_m), lax.iota(jnp.int32, tiles.block_n)
+
+    def walk(num_items, first_row_tile, weight_tile, filled_rows):
+        """This program's items of row tiles first_row_tile + [0, num_items / C) in one loop over (item, K slice):
+        Triton's pipeliner then loads an item's first K slices during the previous item's last, where a loop per
+        item (the grid kernel, or run 19's column walk) refills the pipeline at every item."""
+        def step(t, acc):
+            item = program + lax.div(t, num_k_steps) * num_programs
+            k = lax.rem(t, num_k_steps)
+            tile, col_tile = lax.div(item, num_col_tiles), lax.rem(item, num_col_tiles)
+            ks, cols = pl.ds(k * tiles.block_k, tiles.block_k), pl.ds(col_tile * tiles.block_n, tiles.block_n)
+            first_row = (first_row_tile + tile) * block_m
+            acc = jnp.where(k == 0, 0.0, acc) + _dot(act_ref[pl.ds(first_row, block_m), ks],
+                                                     weight_tile(tile, ks, cols), act_ref.dtype, interpret)
+
+            @pl.when(k == num_k_steps - 1)
+            def _():  # only the rows that hold assignments: a half-filled tile writes half the bytes
+                mask = jnp.broadcast_to((row_in_tile < filled_rows(tile))[:, None], (block_m, tiles.block_n))
+                pltriton.store(out_ref.at[(first_row + row_in_tile)[:, None], (cols.start + col_in_tile)[None, :]],
+                               acc.astype(out_ref.dtype), mask=mask)
+            return acc
+
+        my_items = jnp.maximum(num_items - program + num_programs - 1, 0) // num_programs
+        lax.fori_loop(0, my_items * num_k_steps, step, jnp.zeros((block_m, tiles.block_n), jnp.float32))
+
+    if shared_ref is not None:  # the shared expert's S tiles of the tokens in order, first (see _routed_expert)
+        walk(num_shared_tiles * num_col_tiles, 0, lambda tile, ks, cols: shared_ref[0, ks, cols],
+             lambda tile: block_m)
+    num_tiles = tile_expert_ref.shape[0]
+    lanes = lax.iota(jnp.int32, 1 << max(num_tiles - 1, 0).bit_length())  # a power of 2 for Triton
+    experts = tile_expert_ref[jnp.minimum(lanes, num_tiles - 1)]
+    num_filled = jnp.sum(jnp.where((lanes < num_tiles) & (experts >= 0), 1, 0))  # the filled tiles are a prefix
+    # the expert id is loaded per K slice: picking it out of `experts` in registers instead ran 206 against 186 us
+    walk(num_filled * num_col_tiles, num_shared_tiles, lambda tile, ks, cols: w_ref[tile_expert_ref[tile], ks, cols],
+         lambda tile: tile_rows_ref[tile])
+
+
+def _persistent_program_count(interpret):
+    """One program per SM (the H200: 132); in interpret mode 3, so that every program walks several items."""
+    if interpret:
+        return 3
+    return getattr(jax.devices()[0], "core_count", None) or 132
+
+
 def _compiler_params(gemm):
     return pltriton.CompilerParams(num_warps=gemm.num_warps, num_stages=gemm.num_stages)
 
@@ -674,8 +735,27 @@ def _gate_up(groups, x, x_scale, w_values, w_scales, channel_major, *, act_dtype
 def _down(groups, act, act_scale, w_values, w_scales, channel_major, *, out_dtype, tiles, interpret, shared=None,
           num_shared_tiles=0):
     """[(S+R)*bm, H] = act[rows] @ Wd[e] per row tile; a None scale is 1. A shared expert's weights [I, H] take the
-    first S = num_shared_tiles row tiles (see _gate_up)."""
+    first S = num_shared_tiles row tiles (see _gate_up). With tiles.persistent_down, rows of a grouped tile past its
+    filled rows are not written."""
     num_rows, hidden = act.shape[0], w_values.shape[1 if channel_major else 2]
+    if tiles.persistent_down:
+        if groups.tile_rows is None or act_scale is not None or w_scales is not None or channel_major:
+            raise ValueError(f"persistent_down needs plain weights in grouped tiles of >= {_HALF_TILE_MIN_BLOCK_M} "
+                             f"rows")
+        num_programs = _persistent_program_count(interpret)
+        kernel = functools.partial(_persistent_down_kernel, block_m=tiles.block_m, tiles=tiles.down,
+                                   num_programs=num_programs, num_shared_tiles=num_shared_tiles, interpret=interpret)
+        operands = [groups.tile_expert, groups.tile_rows, act, w_values, *([] if shared is None else [shared[None]])]
+        return pl.pallas_call(
+            kernel,
+            grid=(num_programs,),
+            in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * len(operands),
+            out_specs=pl.BlockSpec(memory_space=pl.ANY),
+            out_shape=jax.ShapeDtypeStruct((num_rows, hidden), out_dtype),
+            compiler_params=_compiler_params(tiles.down),
+            interpret=interpret,
+            name="moe_down",
+        )(*operands)
     kernel = functools.partial(_down_kernel, block_m=tiles.block_m, tiles=tiles.down,
                                has_act_scale=act_scale is not None, has_w_scale=w_scales is not None,
                                num_shared_tiles=num_shared_tiles, channel_major=channel_major,

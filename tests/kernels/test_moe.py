@@ -39,6 +39,9 @@ requires_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
 HIDDEN, INTER = 128, 64
 # several column tiles and K steps per GEMM, so the loops and column offsets are exercised at test size
 SMALL_TILES = MoeTiles(16, gate_up=GemmTiles(32, 32, 4, 2), down=GemmTiles(32, 32, 4, 2))
+# the persistent down kernel over 32-row grouped tiles, 4 column tiles x 2 K slices per item; in interpret mode each
+# of its 3 programs walks several items
+PERSISTENT_TILES = MoeTiles(32, gate_up=GemmTiles(16, 64, 4, 3), down=GemmTiles(32, 32, 4, 3), persistent_down=True)
 
 
 # ---------------------------------------------------------------------------------------------- routing oracles
@@ -185,6 +188,11 @@ CASES = {
     "block_m32_bf16": (53, 4, 8, "random", jnp.bfloat16, None, False,
                        MoeTiles(32, gate_up=GemmTiles(16, 64, 4, 3), down=GemmTiles(64, 16, 4, 3))),
     "default_tiles_bf16": (37, 4, 8, "random", jnp.bfloat16, None, False, None),
+    "persistent_down_bf16": (53, 4, 8, "random", jnp.bfloat16, None, False, PERSISTENT_TILES),
+    "persistent_down_one_expert_f32": (40, 1, 8, "one_expert", jnp.float32, None, False, PERSISTENT_TILES),
+    "persistent_down_empty_experts_f32": (45, 2, 16, "subset", jnp.float32, None, False, PERSISTENT_TILES),
+    # 25 rows per expert: grouped 64-row tiles, the persistent down kernel
+    "default_tiles_persistent_down_bf16": (100, 4, 16, "random", jnp.bfloat16, None, False, None),
     # tokens that fit one tile: every_token grouping (an expert's tile computes every token; padding rows past T)
     "default_tiles_every_token_bf16": (32, 2, 16, "subset", jnp.bfloat16, None, False, None),
     "fp8_every_token_padded_bf16": (20, 4, 8, "random", jnp.bfloat16, "fp8_channel_major", False,
@@ -246,6 +254,7 @@ SHARED_CASES = {  # name: (tokens, top_k, experts, routing, x dtype, routed weig
     "compare_grouping_whole_tiles_bf16": (48, 2, 16, "random", jnp.bfloat16, None, 1, SMALL_TILES, True),
     "compare_grouping_several_tiles_f32": (40, 2, 16, "random", jnp.float32, None, 1, MULTI_TILE, True),
     "count_grouping_f32": (256, 9, 16, "random", jnp.float32, None, 1, SMALL_TILES, True),
+    "persistent_down_f32": (53, 4, 8, "random", jnp.float32, None, 1, PERSISTENT_TILES, True),
     "beyond_a_decode_batch_f32": (1025, 2, 8, "random", jnp.float32, None, 1, SMALL_TILES, False),
     "int8_routed_bf16": (20, 4, 8, "random", jnp.bfloat16, "int8_channel_major", 1, None, False),
     "wider_shared_f32": (20, 4, 8, "random", jnp.float32, None, 2, None, False),
@@ -367,6 +376,20 @@ def test_default_tiles_hold_every_token_of_one_window_for_plain_weights_only():
         assert default_tiles(32, *shape, weights).block_m == 16
     with pytest.raises(ValueError, match="weight format"):
         default_tiles(32, *shape, "int4")
+
+
+def test_the_persistent_down_kernel_takes_grouped_plain_tiles_only():
+    """Engine run 22: at LLaDA2 batch 32 (1024 tokens, 64-row grouped tiles) the persistent down kernel ran 186 us
+    against the grid kernel's 203 (routed experts alone). Other regimes keep the grid kernel; tiles that ask for it
+    where the grouping has no filled-row counts (every-token tiles) or the weights carry scales are refused."""
+    shape = (8, 256, 2048, 512)
+    assert default_tiles(1024, *shape).persistent_down
+    assert not any(default_tiles(tokens, *shape).persistent_down for tokens in (32, 256, 8192))
+    assert not any(default_tiles(1024, *shape, weights).persistent_down for weights in ("upcast", "fp8_activations"))
+    x, ids, weights = jnp.ones((16, HIDDEN)), jnp.zeros((16, 2), jnp.int32), jnp.ones((16, 2))
+    w_gate_up, w_down = jnp.ones((4, HIDDEN, 2 * INTER)), jnp.ones((4, INTER, HIDDEN))
+    with pytest.raises(ValueError, match="persistent_down"):  # 16 tokens fit one 32-row tile: every-token grouping
+        moe_experts(x, ids, weights, w_gate_up, w_down, impl="pallas", interpret=True, tiles=PERSISTENT_TILES)
 
 
 def test_every_token_gate_up_tiles_fit_two_blocks_per_sm():
