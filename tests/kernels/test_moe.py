@@ -390,6 +390,10 @@ def test_the_persistent_down_kernel_takes_grouped_plain_tiles_only():
     w_gate_up, w_down = jnp.ones((4, HIDDEN, 2 * INTER)), jnp.ones((4, INTER, HIDDEN))
     with pytest.raises(ValueError, match="persistent_down"):  # 16 tokens fit one 32-row tile: every-token grouping
         moe_experts(x, ids, weights, w_gate_up, w_down, impl="pallas", interpret=True, tiles=PERSISTENT_TILES)
+    x, ids, weights = jnp.ones((64, HIDDEN)), jnp.zeros((64, 2), jnp.int32), jnp.ones((64, 2))
+    with pytest.raises(ValueError, match="persistent_down"):  # grouped tiles, but int8 weights with their scales
+        moe_experts(x, ids, weights, quantize(w_gate_up, "int8"), quantize(w_down, "int8"), impl="pallas",
+                    interpret=True, tiles=PERSISTENT_TILES)
 
 
 def test_every_token_gate_up_tiles_fit_two_blocks_per_sm():
