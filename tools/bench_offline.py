@@ -6,7 +6,8 @@
 
 Reports output tokens/s, forward passes/s, time per forward, and the floor of one forward: the bytes of weights (only
 the experts the batch's tokens touch, for MoE) and KV it must read over the copy bandwidth, and its FLOPs over the
-matmul rate; the floor is the larger of the two. Use fixed_steps so tokens per forward is known.
+matmul rate; the floor is the larger of the two. The op floor sums each step's own larger term instead (steps run one
+after another; see `forward_floor`). Use fixed_steps so tokens per forward is known.
 
 For MoE models the touched experts are counted, not assumed: the benchmark's own windows (prompt + generated block,
 with a random subset of the block still masked, at several denoising steps) are routed through the model and the
@@ -36,7 +37,7 @@ from tools.device_profile import device_kernel_times, hlo_dump_flags, print_kern
 PROFILE_SCOPES = ("paged_attention", "moe_experts", "lm_head", "sampler")
 COLUMNS = ["model", "batch", "block_size", "steps_per_round", "rounds", "seconds", "output_tokens_per_s",
            "forwards_per_s", "tokens_per_forward", "ms_per_forward", "ms_spread", "experts_touched", "floor_ms",
-           "floor_bound", "gb_per_forward", "floor_ratio"]
+           "floor_bound", "gb_per_forward", "floor_ratio", "op_floor_ms", "op_floor_ratio"]
 
 COPY_BANDWIDTH = 4.1e12  # B/s, H200 device-to-device copy (read + write), measured
 MATMUL_RATE = 790e12  # FLOP/s, H200 bf16 matmul, measured
@@ -47,36 +48,53 @@ def touched_experts(num_experts: int, top_k: int, num_tokens: int) -> float:
     return num_experts * (1 - (1 - top_k / num_experts) ** num_tokens)
 
 
-def forward_floor(cfg: ModelConfig, batch: int, window: int, context: int, weight_bytes: int = 2,
-                  kv_bytes: int = 2, experts_touched: float | None = None,
-                  expert_weight_bytes: int | None = None) -> dict:
-    """Bytes that must move and FLOPs that must run in one denoising forward; experts_touched (per MoE layer)
-    defaults to the expectation under uniform routing. expert_weight_bytes: bytes per routed-expert weight (1 with
-    int8 / fp8 experts; the other weights keep weight_bytes)."""
+def forward_ops(cfg: ModelConfig, batch: int, window: int, context: int, weight_bytes: int = 2, kv_bytes: int = 2,
+                experts_touched: float | None = None, expert_weight_bytes: int | None = None,
+                logit_rows: int | None = None) -> list[tuple[str, int, float, float]]:
+    """(name, count, bytes, FLOPs) of each step of one denoising forward that has a floor of its own: weights (for
+    MoE, only the experts the batch's tokens touch; experts_touched per MoE layer defaults to the expectation under
+    uniform routing) and KV read, and matmul FLOPs. expert_weight_bytes: bytes per routed-expert weight (1 with int8 /
+    fp8 experts; the other weights keep weight_bytes). logit_rows: rows the LM head runs on (default: every window
+    row). Steps whose parts share one arithmetic intensity are one entry (QKV and o_proj; gate/up and down)."""
     tokens = batch * window
     hidden, head = cfg.hidden_size, cfg.head_dim
-    attention = hidden * (cfg.num_heads + 2 * cfg.num_kv_heads) * head + cfg.num_heads * head * hidden
-    dense_layer = attention + 3 * hidden * cfg.intermediate_size
-    lm_head = cfg.vocab_size * hidden
-    params_read = params_per_token = cfg.num_layers * dense_layer + lm_head
-    expert_params_read = 0
-    if cfg.moe is not None:
+    projections = hidden * (cfg.num_heads + 2 * cfg.num_kv_heads) * head + cfg.num_heads * head * hidden
+    kv_bytes_per_layer = (batch * context + tokens) * 2 * cfg.num_kv_heads * head * kv_bytes
+    ops = [("attention projections", cfg.num_layers, projections * weight_bytes, 2 * tokens * projections),
+           ("attention", cfg.num_layers, kv_bytes_per_layer, 4 * tokens * (context + window) * cfg.num_heads * head)]
+    dense_mlp = 3 * hidden * cfg.intermediate_size
+    if cfg.moe is None:
+        ops.append(("mlp", cfg.num_layers, dense_mlp * weight_bytes, 2 * tokens * dense_mlp))
+    else:
         moe = cfg.moe
         num_moe = cfg.num_layers - moe.first_k_dense_replace
         expert = 3 * hidden * moe.moe_intermediate_size
-        moe_layer = attention + hidden * moe.num_experts + moe.num_shared_experts * expert  # + router, shared
-        fixed = moe.first_k_dense_replace * dense_layer + num_moe * moe_layer + lm_head
         if experts_touched is None:
             experts_touched = touched_experts(moe.num_experts, moe.num_experts_per_tok, tokens)
-        params_read, expert_params_read = fixed, num_moe * experts_touched * expert
-        params_per_token = fixed + num_moe * moe.num_experts_per_tok * expert
-    kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * head * kv_bytes
-    weight_bytes_read = params_read * weight_bytes + expert_params_read * (expert_weight_bytes or weight_bytes)
-    bytes_moved = weight_bytes_read + (batch * context + tokens) * kv_per_token
-    flops = 2 * tokens * params_per_token + 4 * tokens * (context + window) * cfg.num_heads * head * cfg.num_layers
+        ops += [("mlp", moe.first_k_dense_replace, dense_mlp * weight_bytes, 2 * tokens * dense_mlp),
+                ("router", num_moe, hidden * moe.num_experts * weight_bytes, 2 * tokens * hidden * moe.num_experts),
+                ("experts", num_moe,
+                 experts_touched * expert * (expert_weight_bytes or weight_bytes)
+                 + moe.num_shared_experts * expert * weight_bytes,
+                 2 * tokens * (moe.num_experts_per_tok + moe.num_shared_experts) * expert)]
+    lm_head = cfg.vocab_size * hidden
+    ops.append(("lm head", 1, lm_head * weight_bytes, 2 * (tokens if logit_rows is None else logit_rows) * lm_head))
+    return ops
+
+
+def forward_floor(cfg: ModelConfig, batch: int, window: int, context: int, **op_options) -> dict:
+    """Bytes that must move and FLOPs that must run in one denoising forward (`forward_ops`, whose options it
+    takes). floor_ms: the larger of all bytes over the copy bandwidth and all FLOPs over the matmul rate (the
+    issue's floor: compute-bound steps hidden behind memory-bound ones). op_floor_ms: each step's own larger term,
+    summed -- the floor of running the steps one after another, as one stream does; at batch 32 the dense GEMMs
+    and the LM head are compute-bound while the experts stream their weights, and the two floors part."""
+    ops = forward_ops(cfg, batch, window, context, **op_options)
+    bytes_moved = sum(count * nbytes for _, count, nbytes, _ in ops)
+    flops = sum(count * op_flops for _, count, _, op_flops in ops)
     memory_s, compute_s = bytes_moved / COPY_BANDWIDTH, flops / MATMUL_RATE
+    op_floor_s = sum(count * max(nbytes / COPY_BANDWIDTH, op_flops / MATMUL_RATE) for _, count, nbytes, op_flops in ops)
     return dict(bytes=bytes_moved, flops=flops, floor_ms=1e3 * max(memory_s, compute_s),
-                bound="memory" if memory_s >= compute_s else "compute")
+                bound="memory" if memory_s >= compute_s else "compute", op_floor_ms=1e3 * op_floor_s)
 
 
 def random_prompts(llm: LLM, num_prompts: int, input_len: int, seed: int) -> list[list[int]]:
@@ -246,8 +264,12 @@ def main() -> None:
         experts = None
         if cfg.moe is not None:
             experts = measured_touched_experts(llm, prompts, runs[0]["outputs"], args.seed)
-        floor = forward_floor(cfg, batch, llm.engine.block_size, args.input_len + args.output_len // 2,
-                              experts_touched=experts, expert_weight_bytes=1 if args.quantization else 2)
+        block = llm.engine.block_size
+        # fixed_steps reads each block's still-masked rows: block, ..., block / steps of them over a block's steps,
+        # none in its verifying forward -- block / 2 per request per forward; the threshold strategy's are unknown
+        logit_rows = batch * block // 2 if args.strategy == "fixed_steps" else None
+        floor = forward_floor(cfg, batch, block, args.input_len + args.output_len // 2, experts_touched=experts,
+                              expert_weight_bytes=1 if args.quantization else 2, logit_rows=logit_rows)
         for result in runs:
             del result["outputs"]
             result |= dict(model=cfg.model_type, batch=batch, block_size=llm.engine.block_size,
@@ -255,6 +277,8 @@ def main() -> None:
                            floor_ms=round(floor["floor_ms"], 3), floor_bound=floor["bound"],
                            gb_per_forward=round(floor["bytes"] / 1e9, 2),
                            floor_ratio=round(result["ms_per_forward"] / floor["floor_ms"], 2),
+                           op_floor_ms=round(floor["op_floor_ms"], 3),
+                           op_floor_ratio=round(result["ms_per_forward"] / floor["op_floor_ms"], 2),
                            quantization=args.quantization, qk_norm_scale=args.qk_norm_scale,
                            **{k: v for k, v in sampling.items() if k != "seed"})
             print(" | ".join(str(result[c]) for c in COLUMNS), flush=True)

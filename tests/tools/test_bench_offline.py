@@ -8,7 +8,16 @@ import numpy as np
 import pytest
 
 from jaxllm import LLM, SamplingParams
-from tools.bench_offline import forward_floor, main, measured_touched_experts, median_run, run, sharpen_attention
+from tools.bench_offline import (
+    MATMUL_RATE,
+    forward_floor,
+    forward_ops,
+    main,
+    measured_touched_experts,
+    median_run,
+    run,
+    sharpen_attention,
+)
 
 BLOCK = 4
 
@@ -80,6 +89,40 @@ def test_quantized_experts_halve_only_the_expert_bytes_of_the_floor(llada2):
     assert bf16 - int8 == pytest.approx(5 * num_moe_layers * expert_params)  # attention, router, LM head stay bf16
 
 
+@pytest.fixture(scope="module")
+def full_llada2_config(tmp_path_factory):
+    """LLaDA2.0-mini's shapes (config only, no weights)."""
+    from jaxllm.models import model_config
+    from tools.make_checkpoint import make_checkpoint
+    return model_config(make_checkpoint(tmp_path_factory.mktemp("full"), "llada2", size="full", dtype="bf16",
+                                        with_weights=False))
+
+
+def test_the_op_floor_adds_what_compute_bound_steps_take_beyond_their_bytes(full_llada2_config):
+    """At batch 32 the LM head is compute-bound: its rows cost the op floor their FLOPs while the whole-forward
+    floor, bound by the experts' bytes, stays; at batch 1 every step is memory-bound and the two floors agree."""
+    cfg = full_llada2_config
+    few, many = (forward_floor(cfg, 32, 32, 528, experts_touched=256, logit_rows=rows) for rows in (512, 1024))
+    assert few["floor_ms"] == many["floor_ms"] and few["bound"] == "memory"
+    extra_flops = 2 * 512 * cfg.hidden_size * cfg.vocab_size
+    assert many["op_floor_ms"] - few["op_floor_ms"] == pytest.approx(1e3 * extra_flops / MATMUL_RATE)
+    assert few["op_floor_ms"] > few["floor_ms"]
+    alone = forward_floor(cfg, 1, 32, 528, experts_touched=147)
+    assert alone["op_floor_ms"] == pytest.approx(alone["floor_ms"])
+
+
+def test_the_steps_add_up_to_the_whole_forward(full_llada2_config):
+    """Every weight byte and FLOP of the forward belongs to one step: the steps' sums are the floor's totals."""
+    ops = forward_ops(full_llada2_config, 8, 32, 528, experts_touched=200)
+    floor = forward_floor(full_llada2_config, 8, 32, 528, experts_touched=200)
+    assert sum(count * nbytes for _, count, nbytes, _ in ops) == pytest.approx(floor["bytes"])
+    assert sum(count * flops for _, count, _, flops in ops) == pytest.approx(floor["flops"])
+    counts = {name: count for name, count, _, _ in ops}
+    moe = full_llada2_config.moe
+    assert counts["experts"] == counts["router"] == full_llada2_config.num_layers - moe.first_k_dense_replace
+    assert counts["mlp"] == moe.first_k_dense_replace and counts["lm head"] == 1
+
+
 def test_median_run_is_the_middle_run_with_the_spread():
     results = [dict(ms_per_forward=t, outputs=[[i]]) for i, t in enumerate([3.4, 3.1, 3.2])]
     middle = median_run(results)
@@ -106,6 +149,7 @@ def test_the_command_runs_on_a_model_of_small_blocks(checkpoints, monkeypatch, c
     result = dict(zip(header.split(" | "), row.split(" | ")))
     assert result["model"] == "sdar" and result["batch"] == "1" and result["block_size"] == "4"
     assert float(result["ms_per_forward"]) > 0
+    assert float(result["op_floor_ms"]) >= float(result["floor_ms"]) and "op_floor_ratio" in result
 
 
 def test_a_prompt_count_with_several_batch_sizes_is_refused(monkeypatch):
