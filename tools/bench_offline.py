@@ -22,6 +22,7 @@ import os
 import pathlib
 import tempfile
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -48,51 +49,63 @@ def touched_experts(num_experts: int, top_k: int, num_tokens: int) -> float:
     return num_experts * (1 - (1 - top_k / num_experts) ** num_tokens)
 
 
-def forward_ops(cfg: ModelConfig, batch: int, window: int, context: int, weight_bytes: int = 2, kv_bytes: int = 2,
-                experts_touched: float | None = None, expert_weight_bytes: int | None = None,
-                logit_rows: int | None = None) -> list[tuple[str, int, float, float]]:
-    """(name, count, bytes, FLOPs) of each step of one denoising forward that has a floor of its own: weights (for
-    MoE, only the experts the batch's tokens touch; experts_touched per MoE layer defaults to the expectation under
-    uniform routing) and KV read, and matmul FLOPs. expert_weight_bytes: bytes per routed-expert weight (1 with int8 /
-    fp8 experts; the other weights keep weight_bytes). logit_rows: rows the LM head runs on (default: every window
-    row). Steps whose parts share one arithmetic intensity are one entry (QKV and o_proj; gate/up and down)."""
+class Step(NamedTuple):
+    """A part of the forward with a floor of its own, run `count` times."""
+
+    name: str
+    count: int
+    bytes: float  # each time
+    flops: float  # each time
+
+
+def forward_steps(cfg: ModelConfig, batch: int, window: int, context: int, weight_bytes: int = 2,
+                  kv_bytes: int = 2, experts_touched: float | None = None, expert_weight_bytes: int | None = None,
+                  logit_rows: int | None = None) -> list[Step]:
+    """The steps of one denoising forward, each with the weight (for MoE, only the experts the batch's tokens touch;
+    experts_touched per MoE layer defaults to the expectation under uniform routing) and KV bytes it reads and its
+    matmul FLOPs. expert_weight_bytes: bytes per routed-expert weight (1 with int8 / fp8 experts; the other weights
+    keep weight_bytes). logit_rows: rows the LM head runs on (default: every window row). Parts of one arithmetic
+    intensity are one step (QKV and o_proj; gate/up and down), so the per-step floor is the same as theirs."""
     tokens = batch * window
     hidden, head = cfg.hidden_size, cfg.head_dim
     projections = hidden * (cfg.num_heads + 2 * cfg.num_kv_heads) * head + cfg.num_heads * head * hidden
     kv_bytes_per_layer = (batch * context + tokens) * 2 * cfg.num_kv_heads * head * kv_bytes
-    ops = [("attention projections", cfg.num_layers, projections * weight_bytes, 2 * tokens * projections),
-           ("attention", cfg.num_layers, kv_bytes_per_layer, 4 * tokens * (context + window) * cfg.num_heads * head)]
+    attention_flops = 4 * tokens * (context + window) * cfg.num_heads * head
+    steps = [Step("attention projections", cfg.num_layers, projections * weight_bytes, 2 * tokens * projections),
+             Step("attention", cfg.num_layers, kv_bytes_per_layer, attention_flops)]
     dense_mlp = 3 * hidden * cfg.intermediate_size
     if cfg.moe is None:
-        ops.append(("mlp", cfg.num_layers, dense_mlp * weight_bytes, 2 * tokens * dense_mlp))
+        steps.append(Step("mlp", cfg.num_layers, dense_mlp * weight_bytes, 2 * tokens * dense_mlp))
     else:
         moe = cfg.moe
         num_moe = cfg.num_layers - moe.first_k_dense_replace
         expert = 3 * hidden * moe.moe_intermediate_size
         if experts_touched is None:
             experts_touched = touched_experts(moe.num_experts, moe.num_experts_per_tok, tokens)
-        ops += [("mlp", moe.first_k_dense_replace, dense_mlp * weight_bytes, 2 * tokens * dense_mlp),
-                ("router", num_moe, hidden * moe.num_experts * weight_bytes, 2 * tokens * hidden * moe.num_experts),
-                ("experts", num_moe,
-                 experts_touched * expert * (expert_weight_bytes or weight_bytes)
-                 + moe.num_shared_experts * expert * weight_bytes,
-                 2 * tokens * (moe.num_experts_per_tok + moe.num_shared_experts) * expert)]
+        router = hidden * moe.num_experts
+        steps += [Step("mlp", moe.first_k_dense_replace, dense_mlp * weight_bytes, 2 * tokens * dense_mlp),
+                  Step("router", num_moe, router * weight_bytes, 2 * tokens * router),
+                  Step("experts", num_moe,
+                       experts_touched * expert * (expert_weight_bytes or weight_bytes)
+                       + moe.num_shared_experts * expert * weight_bytes,
+                       2 * tokens * (moe.num_experts_per_tok + moe.num_shared_experts) * expert)]
     lm_head = cfg.vocab_size * hidden
-    ops.append(("lm head", 1, lm_head * weight_bytes, 2 * (tokens if logit_rows is None else logit_rows) * lm_head))
-    return ops
+    rows = tokens if logit_rows is None else logit_rows
+    steps.append(Step("lm head", 1, lm_head * weight_bytes, 2 * rows * lm_head))
+    return steps
 
 
 def forward_floor(cfg: ModelConfig, batch: int, window: int, context: int, **op_options) -> dict:
-    """Bytes that must move and FLOPs that must run in one denoising forward (`forward_ops`, whose options it
+    """Bytes that must move and FLOPs that must run in one denoising forward (`forward_steps`, whose options it
     takes). floor_ms: the larger of all bytes over the copy bandwidth and all FLOPs over the matmul rate (the
     issue's floor: compute-bound steps hidden behind memory-bound ones). op_floor_ms: each step's own larger term,
     summed -- the floor of running the steps one after another, as one stream does; at batch 32 the dense GEMMs
     and the LM head are compute-bound while the experts stream their weights, and the two floors part."""
-    ops = forward_ops(cfg, batch, window, context, **op_options)
-    bytes_moved = sum(count * nbytes for _, count, nbytes, _ in ops)
-    flops = sum(count * op_flops for _, count, _, op_flops in ops)
+    steps = forward_steps(cfg, batch, window, context, **op_options)
+    bytes_moved = sum(step.count * step.bytes for step in steps)
+    flops = sum(step.count * step.flops for step in steps)
     memory_s, compute_s = bytes_moved / COPY_BANDWIDTH, flops / MATMUL_RATE
-    op_floor_s = sum(count * max(nbytes / COPY_BANDWIDTH, op_flops / MATMUL_RATE) for _, count, nbytes, op_flops in ops)
+    op_floor_s = sum(step.count * max(step.bytes / COPY_BANDWIDTH, step.flops / MATMUL_RATE) for step in steps)
     return dict(bytes=bytes_moved, flops=flops, floor_ms=1e3 * max(memory_s, compute_s),
                 bound="memory" if memory_s >= compute_s else "compute", op_floor_ms=1e3 * op_floor_s)
 

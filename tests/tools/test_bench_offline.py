@@ -11,7 +11,7 @@ from jaxllm import LLM, SamplingParams
 from tools.bench_offline import (
     MATMUL_RATE,
     forward_floor,
-    forward_ops,
+    forward_steps,
     main,
     measured_touched_experts,
     median_run,
@@ -113,11 +113,11 @@ def test_the_op_floor_adds_what_compute_bound_steps_take_beyond_their_bytes(full
 
 def test_the_steps_add_up_to_the_whole_forward(full_llada2_config):
     """Every weight byte and FLOP of the forward belongs to one step: the steps' sums are the floor's totals."""
-    ops = forward_ops(full_llada2_config, 8, 32, 528, experts_touched=200)
+    steps = forward_steps(full_llada2_config, 8, 32, 528, experts_touched=200)
     floor = forward_floor(full_llada2_config, 8, 32, 528, experts_touched=200)
-    assert sum(count * nbytes for _, count, nbytes, _ in ops) == pytest.approx(floor["bytes"])
-    assert sum(count * flops for _, count, _, flops in ops) == pytest.approx(floor["flops"])
-    counts = {name: count for name, count, _, _ in ops}
+    assert sum(step.count * step.bytes for step in steps) == pytest.approx(floor["bytes"])
+    assert sum(step.count * step.flops for step in steps) == pytest.approx(floor["flops"])
+    counts = {step.name: step.count for step in steps}
     moe = full_llada2_config.moe
     assert counts["experts"] == counts["router"] == full_llada2_config.num_layers - moe.first_k_dense_replace
     assert counts["mlp"] == moe.first_k_dense_replace and counts["lm head"] == 1
