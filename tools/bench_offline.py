@@ -6,8 +6,9 @@
 
 Reports output tokens/s, forward passes/s, time per forward, and the floor of one forward: the bytes of weights (only
 the experts the batch's tokens touch, for MoE) and KV it must read over the copy bandwidth, and its FLOPs over the
-matmul rate; the floor is the larger of the two. The op floor sums each step's own larger term instead (steps run one
-after another; see `forward_floor`). Use fixed_steps so tokens per forward is known.
+matmul rate (the LM head's on the rows the strategy reads, for fixed_steps); the floor is the larger of the two. The
+op floor sums each step's own larger term instead (steps run one after another; see `forward_floor`). Use
+fixed_steps so tokens per forward is known.
 
 For MoE models the touched experts are counted, not assumed: the benchmark's own windows (prompt + generated block,
 with a random subset of the block still masked, at several denoising steps) are routed through the model and the
@@ -95,13 +96,13 @@ def forward_steps(cfg: ModelConfig, batch: int, window: int, context: int, weigh
     return steps
 
 
-def forward_floor(cfg: ModelConfig, batch: int, window: int, context: int, **op_options) -> dict:
+def forward_floor(cfg: ModelConfig, batch: int, window: int, context: int, **step_options) -> dict:
     """Bytes that must move and FLOPs that must run in one denoising forward (`forward_steps`, whose options it
     takes). floor_ms: the larger of all bytes over the copy bandwidth and all FLOPs over the matmul rate (the
     issue's floor: compute-bound steps hidden behind memory-bound ones). op_floor_ms: each step's own larger term,
     summed -- the floor of running the steps one after another, as one stream does; at batch 32 the dense GEMMs
     and the LM head are compute-bound while the experts stream their weights, and the two floors part."""
-    steps = forward_steps(cfg, batch, window, context, **op_options)
+    steps = forward_steps(cfg, batch, window, context, **step_options)
     bytes_moved = sum(step.count * step.bytes for step in steps)
     flops = sum(step.count * step.flops for step in steps)
     memory_s, compute_s = bytes_moved / COPY_BANDWIDTH, flops / MATMUL_RATE
