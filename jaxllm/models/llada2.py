@@ -64,7 +64,8 @@ class SparseMoE(nnx.Module):
         self.shared_experts = (MLP(cfg.hidden_size, width * moe.num_shared_experts, dtype=dtype, rngs=rngs)
                                if moe.num_shared_experts else None)
 
-    def __call__(self, x):
+    def __call__(self, x, norm: nnx.Module):  # experts over norm(x): the router and the kernels read it normalised
+        x = norm(x)
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, expert_ids = route_grouped_sigmoid(

@@ -1,11 +1,14 @@
-"""The float32 router product: three bf16 pieces of the weight on the tensor cores, exact products."""
+"""The float32 router product (three bf16 pieces of the weight on the tensor cores, exact products), and the
+projections that apply their input's RMSNorm."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.models.layers import router_matmul
+from flax import nnx
+
+from jaxllm.models.layers import Linear, RMSNorm, router_matmul
 from jaxllm.quantization import bf16_pieces, cut_router_weight
 
 
@@ -44,3 +47,25 @@ def test_router_product_has_float32_accuracy(tokens, x_dtype):
 def test_router_product_takes_bf16_or_float32_activations():
     with pytest.raises(ValueError, match="bf16 or float32 x"):
         router_matmul(jnp.ones((2, 4), jnp.float16), cut_router_weight(jnp.ones((4, 3), jnp.float32)))
+
+
+@pytest.mark.parametrize("rows", [32, 300])  # the row scale after the GEMM (few rows) and the norm before it
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_a_projection_of_the_normed_input_matches_float64(rows, dtype):
+    """Linear(x, norm) against float64 rms_norm(x) @ w, rows of very different scales and a non-unit norm weight;
+    within the error of the norm-then-GEMM path it replaces (bf16: both ~1e-2 of the largest output)."""
+    key = jax.random.key(rows)
+    row_scales = 10.0 ** jax.random.uniform(jax.random.fold_in(key, 1), (rows, 1), minval=-2, maxval=2)
+    x = (jax.random.normal(key, (rows, 256)) * row_scales).astype(dtype)
+    linear = Linear(256, 192, dtype=dtype, rngs=nnx.Rngs(rows))
+    norm = RMSNorm(256, 1e-6, dtype=dtype)
+    norm.weight[...] = (1 + jax.random.normal(jax.random.fold_in(key, 2), (256,))).astype(dtype)
+    x64, w64, g64 = (np.asarray(a, np.float64) for a in (x, linear.kernel[...], norm.weight[...]))
+    want = (x64 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + 1e-6) * g64) @ w64
+    scale = np.max(np.abs(want))
+    baseline = np.max(np.abs(np.asarray(linear(norm(x)), np.float64) - want)) / scale  # norm first, then the GEMM
+    for run in (linear, jax.jit(linear)):
+        got = np.asarray(run(x, norm), np.float64)
+        assert got.shape == (rows, 192) and got.dtype == np.float64
+        error = np.max(np.abs(got - want)) / scale
+        assert error < (1e-5 if dtype == jnp.float32 else 2 * baseline + 1e-3), (error, baseline)
