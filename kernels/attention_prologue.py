@@ -22,11 +22,15 @@ from jax import lax
 from jax.experimental.pallas import triton as pltriton
 
 
+def rms_row_scale(xf, eps):
+    """1 / rms over the last axis of float32 xf, keeping that axis (size 1)."""
+    return jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+
+
 def rms_norm(x, weight, eps):
     """RMSNorm over the last axis: float32 statistics, cast back to x's dtype before the weight."""
     xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return weight * xf.astype(x.dtype)
+    return weight * (xf * rms_row_scale(xf, eps)).astype(x.dtype)
 
 
 def rope_tables(positions, *, theta: float, rotary_dim: int):

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from jaxllm.kernels.attention_prologue import qk_norm_rope, rms_norm, rope_tables
+from jaxllm.kernels.attention_prologue import qk_norm_rope, rms_norm, rms_row_scale, rope_tables
 from jaxllm.kernels.paged_attention import paged_attention_from_qkv
 
 
@@ -62,11 +62,12 @@ def normal_init(rngs: nnx.Rngs, shape, dtype, std=0.02):
     return nnx.Param((std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype))
 
 
-def matmul(x, w):
-    """x @ w in x's dtype. A float32 model multiplies in float32: XLA:GPU would otherwise round float32 operands
-    to TF32 on the tensor cores (5e-4 relative logit error on the tiny models, H200), and PyTorch's float32 matmuls
-    do not."""
-    return jnp.dot(x, w.astype(x.dtype), precision=lax.Precision.HIGHEST if x.dtype == jnp.float32 else None)
+def matmul(x, w, preferred_element_type=None):
+    """x @ w in x's dtype (or preferred_element_type). A float32 model multiplies in float32: XLA:GPU would otherwise
+    round float32 operands to TF32 on the tensor cores (5e-4 relative logit error on the tiny models, H200), and
+    PyTorch's float32 matmuls do not."""
+    return jnp.dot(x, w.astype(x.dtype), preferred_element_type=preferred_element_type,
+                   precision=lax.Precision.HIGHEST if x.dtype == jnp.float32 else None)
 
 
 # measured at 32 rows (one request's 32-token block), where XLA splits every GEMM's K; two requests' 64 rows are
@@ -86,11 +87,8 @@ def rms_norm_matmul(x, norm_weight, eps, w):
     4.976 without it; LLaDA2 batch 1 5.857 against 5.848 (level); LLaDA2 batch 32 (1024 rows) 11.998 against 11.863
     (+135 us, inside the runs' 0.17-0.23 ms spread, and not applied there).
     """
-    xf = x.astype(jnp.float32)
-    row_scale = lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    product = jnp.dot(norm_weight.astype(x.dtype) * x, w.astype(x.dtype), preferred_element_type=jnp.float32,
-                      precision=lax.Precision.HIGHEST if x.dtype == jnp.float32 else None)
-    return (product * row_scale).astype(x.dtype)
+    product = matmul(norm_weight.astype(x.dtype) * x, w, preferred_element_type=jnp.float32)
+    return (product * rms_row_scale(x.astype(jnp.float32), eps)).astype(x.dtype)
 
 
 def router_matmul(x, pieces):

@@ -5,7 +5,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from flax import nnx
 
 from jaxllm.models.layers import Linear, RMSNorm, router_matmul
@@ -52,8 +51,8 @@ def test_router_product_takes_bf16_or_float32_activations():
 @pytest.mark.parametrize("rows", [32, 300])  # the row scale after the GEMM (few rows) and the norm before it
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_a_projection_of_the_normed_input_matches_float64(rows, dtype):
-    """Linear(x, norm) against float64 rms_norm(x) @ w, rows of very different scales and a non-unit norm weight;
-    within the error of the norm-then-GEMM path it replaces (bf16: both ~1e-2 of the largest output)."""
+    """Linear(x, norm) against float64 rms_norm(x) @ w, rows of very different scales and a non-unit norm weight
+    (bf16: ~3e-3 of the largest output on both paths; a dropped row scale or norm weight misses by far more)."""
     key = jax.random.key(rows)
     row_scales = 10.0 ** jax.random.uniform(jax.random.fold_in(key, 1), (rows, 1), minval=-2, maxval=2)
     x = (jax.random.normal(key, (rows, 256)) * row_scales).astype(dtype)
@@ -62,10 +61,8 @@ def test_a_projection_of_the_normed_input_matches_float64(rows, dtype):
     norm.weight[...] = (1 + jax.random.normal(jax.random.fold_in(key, 2), (256,))).astype(dtype)
     x64, w64, g64 = (np.asarray(a, np.float64) for a in (x, linear.kernel[...], norm.weight[...]))
     want = (x64 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + 1e-6) * g64) @ w64
-    scale = np.max(np.abs(want))
-    baseline = np.max(np.abs(np.asarray(linear(norm(x)), np.float64) - want)) / scale  # norm first, then the GEMM
     for run in (linear, jax.jit(linear)):
-        got = np.asarray(run(x, norm), np.float64)
-        assert got.shape == (rows, 192) and got.dtype == np.float64
-        error = np.max(np.abs(got - want)) / scale
-        assert error < (1e-5 if dtype == jnp.float32 else 2 * baseline + 1e-3), (error, baseline)
+        got = run(x, norm)
+        assert got.shape == (rows, 192) and got.dtype == dtype
+        error = np.max(np.abs(np.asarray(got, np.float64) - want)) / np.max(np.abs(want))
+        assert error < (1e-5 if dtype == jnp.float32 else 1e-2), error
