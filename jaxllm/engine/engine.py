@@ -120,8 +120,10 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len()
         model = load_model(model_dir, self.model_config, engine_config.dtype, random_init=random_weights,
                            quantization=engine_config.quantization)
-        num_pages = engine_config.num_pages or self._pages_that_fit()
-        self.runner = self._make_runner(model, num_pages)
+        kv = self._allocate_pool(engine_config.num_pages or self._pages_that_fit(),
+                                 sized_from_memory=engine_config.num_pages is None)
+        num_pages = kv.k_pages.shape[2]
+        self.runner = self._make_runner(model, kv)
         self.scheduler = Scheduler(self._scheduler_config(), PageManager(num_pages, self.page_size))
         self._inbox: collections.deque = collections.deque()  # ("add", request) / ("abort", id), any thread
         self._wakeup = threading.Event()
@@ -179,11 +181,28 @@ class LLMEngine:
         budget = stats["bytes_limit"] * self.config.gpu_memory_utilization - stats["bytes_in_use"]
         return max(int(budget * 0.9) // self._page_bytes(), 1)  # 10% left for activations
 
-    def _make_runner(self, model, num_pages: int) -> ModelRunner:
+    def _allocate_pool(self, num_pages: int, *, sized_from_memory: bool) -> KVCache:
+        """The KV pool, allocated now. Sized from memory, a refused allocation shrinks it by a tenth until one is
+        granted: an allocator that grows on demand (XLA_PYTHON_CLIENT_PREALLOCATE=false) rounds each array's region up
+        to a power of two, so two arrays inside the budget may not fit the device together (on an H200, two 42.5 GiB
+        arrays under a 104.9 GiB limit: BENCHMARKS.md, run 25)."""
         cfg = self.model_config
-        dtype = DTYPES[self.config.dtype]
-        pool_shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, self.page_size, cfg.head_dim)
-        kv = KVCache(jnp.zeros(pool_shape, dtype), jnp.zeros(pool_shape, dtype))
+        while True:
+            shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, self.page_size, cfg.head_dim)
+            try:
+                return KVCache.zeros(shape, DTYPES[self.config.dtype])
+            except jax.errors.JaxRuntimeError as error:
+                if "RESOURCE_EXHAUSTED" not in str(error):
+                    raise
+                needed = f"{num_pages} KV pages ({num_pages * self._page_bytes() / 2**30:.2f} GiB)"
+                if not sized_from_memory or num_pages == 1:
+                    raise ConfigError(f"the device cannot hold {needed}: lower num_pages or "
+                                      f"gpu_memory_utilization") from error
+            logger.warning("the device refused %s; trying %d pages", needed, num_pages * 9 // 10)
+            num_pages = max(num_pages * 9 // 10, 1)
+
+    def _make_runner(self, model, kv: KVCache) -> ModelRunner:
+        cfg = self.model_config
         spec = StepSpec(
             decoding=self.decoding, block_size=self.block_size, mask_token_id=self.mask_token_id,
             num_real_tokens=min(len(self.tokenizer), cfg.vocab_size), min_logit_rows=self.config.min_logit_rows)

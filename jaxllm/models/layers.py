@@ -24,6 +24,11 @@ class KVCache:
     k_pages: jax.Array  # [L, K, P, S, D]
     v_pages: jax.Array  # [L, K, P, S, D]
 
+    @classmethod
+    def zeros(cls, shape: tuple[int, ...], dtype) -> "KVCache":
+        """A pool of `shape` [L, K, P, S, D], allocated before returning (an allocator's refusal raises here)."""
+        return jax.block_until_ready(cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)))
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass

@@ -4,12 +4,14 @@ compile-free serving after warm-up, stops and strategies."""
 import dataclasses
 import threading
 
+import jax
 import numpy as np
 import pytest
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.config import ConfigError
 from jaxllm.engine.engine import CompilationAfterWarmup
+from jaxllm.models.layers import KVCache
 
 # 16 pages of 4 tokens: one request at a time always fits, four long ones at once do not (preemption)
 OPTIONS = dict(dtype="float32", block_size=4, max_num_seqs=4, max_model_len=64, num_pages=16)
@@ -249,6 +251,29 @@ def test_a_request_filling_the_whole_pool_runs(llm):
     out = llm.generate([[5] * 8], SamplingParams(max_tokens=56, ignore_eos=True))[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 56
     assert llm.engine.kv_cache_usage == 0.0
+
+
+def test_a_pool_the_device_refuses_shrinks_when_sized_from_memory_and_fails_clearly_when_given(
+        checkpoint, llm, monkeypatch, caplog):
+    """A device that holds at most 40 pages (as an H200 refuses the second of two pool arrays when its allocator
+    grows on demand): the pool sized from memory (64 pages here, every sequence at full length) shrinks a tenth at a
+    time to 40 and serves the same tokens; 50 pages asked for are a ConfigError naming them."""
+    allocate = KVCache.zeros.__func__
+
+    def device_of_40_pages(cls, shape, dtype):
+        if shape[2] > 40:
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate")
+        return allocate(cls, shape, dtype)
+
+    monkeypatch.setattr(KVCache, "zeros", classmethod(device_of_40_pages))
+    sized_from_memory = {**OPTIONS, "num_pages": None}
+    fitted = LLM(checkpoint, decoding_strategy="threshold", threshold=0.6, **sized_from_memory)
+    assert fitted.engine.scheduler.pages.num_pages == 40  # 64 -> 57 -> 51 -> 45 -> 40
+    assert "the device refused 45 KV pages" in caplog.text
+    params = SamplingParams(max_tokens=10)
+    assert token_ids(fitted.generate(PROMPTS, params)) == token_ids(llm.generate(PROMPTS, params))
+    with pytest.raises(ConfigError, match="cannot hold 50 KV pages"):
+        LLM(checkpoint, **{**OPTIONS, "num_pages": 50})
 
 
 def test_a_prompt_over_the_context_is_rejected_with_the_openai_message(llm):
