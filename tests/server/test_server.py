@@ -410,20 +410,22 @@ def test_a_disconnected_stream_is_aborted_and_its_pages_freed(server):
             blockers = [asyncio.create_task(session.post("/v1/completions", json=long_request)) for _ in range(4)]
             while scrape(server.url)["jaxllm:num_requests_running"] < MAX_NUM_SEQS:
                 await asyncio.sleep(0.002)
-            # every slot is taken: this stream waits in the queue, then runs; leave after its first block
+            usage_of_the_blockers = scrape(server.url)[KV_USAGE]
+            # every slot is taken: this stream waits in the queue, then runs (holding pages of its own); leave at its
+            # first block, at once: the 13 blocks it has left must not finish before the server sees it gone (a
+            # metrics scrape here once let them, on a loaded CI machine)
             async with session.stream("POST", "/v1/completions", json={**long_request, "stream": True}) as stream:
                 pings = 0
                 async for line in stream.aiter_lines():
                     pings += line.startswith(":")
                     if line.startswith("data: "):
                         break
-                usage_while_running = scrape(server.url)[KV_USAGE]
             assert all(r.status_code == 200 for r in await asyncio.gather(*blockers))
-            return pings, usage_while_running
+            return pings, usage_of_the_blockers
 
-    pings, usage_while_running = asyncio.run(scenario())
+    pings, usage_of_the_blockers = asyncio.run(scenario())
     assert pings >= 1  # keep-alive comments while it was queued
-    assert usage_while_running > 0
+    assert usage_of_the_blockers > 0  # so the idle pool below is pages returned, not pages never taken
     samples = wait_for_idle_pool(server.url)
     assert samples[ABORTED] == aborted + 1
 
