@@ -198,8 +198,8 @@ class LLMEngine:
                 if not sized_from_memory or num_pages == 1:
                     raise ConfigError(f"the device cannot hold {needed}: lower num_pages or "
                                       f"gpu_memory_utilization") from error
-            logger.warning("the device refused %s; trying %d pages", needed, num_pages * 9 // 10)
-            num_pages = max(num_pages * 9 // 10, 1)
+                num_pages = max(num_pages * 9 // 10, 1)  # the refused arrays are freed as this block ends
+                logger.warning("the device refused %s; trying %d pages", needed, num_pages)
 
     def _make_runner(self, model, kv: KVCache) -> ModelRunner:
         cfg = self.model_config

@@ -412,8 +412,8 @@ def test_a_disconnected_stream_is_aborted_and_its_pages_freed(server):
                 await asyncio.sleep(0.002)
             usage_of_the_blockers = scrape(server.url)[KV_USAGE]
             # every slot is taken: this stream waits in the queue, then runs (holding pages of its own); leave at its
-            # first block, at once: the 13 blocks it has left must not finish before the server sees it gone (a
-            # metrics scrape here once let them, on a loaded CI machine)
+            # first block, at once: the 13 blocks it has left must not finish before the server sees it gone (with a
+            # metrics scrape here the abort went uncounted once on a loaded machine, most likely so)
             async with session.stream("POST", "/v1/completions", json={**long_request, "stream": True}) as stream:
                 pings = 0
                 async for line in stream.aiter_lines():
