@@ -1,11 +1,40 @@
 """Shared fixtures: tiny random checkpoints in the real HF formats, made once per test session."""
 
+import os
 import zlib
 
+import jax
 import pytest
 from safetensors.numpy import load_file, save_file
 
 from tools.make_checkpoint import make_checkpoint
+
+
+@pytest.fixture(autouse=True, scope="session")
+def compilations_are_shared(tmp_path_factory):
+    """One persistent XLA cache for the run, shared by the xdist workers: many tests build engines of the same
+    shapes, whose start-up compiles the same bucketed programs (tests/engine alone: 98 -> 82 s on 2 CPU cores, cold).
+    A cache hit still reports a compilation, so the engines' compile-after-warm-up guard sees it as before. The
+    servers the tests spawn read the same settings from the environment."""
+    run_dir = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker's base lies in one directory per run
+        run_dir = run_dir.parent
+    settings = {"jax_compilation_cache_dir": str(run_dir / "xla-cache"),
+                "jax_persistent_cache_min_compile_time_secs": 0.0,
+                "jax_persistent_cache_min_entry_size_bytes": 0}
+    previous = {name: getattr(jax.config, name) for name in settings}
+    previous_env = {name.upper(): os.environ.get(name.upper()) for name in settings}
+    for name, value in settings.items():
+        jax.config.update(name, value)
+        os.environ[name.upper()] = str(value)
+    yield
+    for name, value in previous.items():
+        jax.config.update(name, value)
+    for name, value in previous_env.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture(autouse=True, scope="session")

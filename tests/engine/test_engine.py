@@ -302,7 +302,7 @@ def test_the_lm_head_on_the_read_rows_only_gives_the_same_tokens(checkpoints):
     when none is read, none): each row keeps its request's seed and settings, its position and step, and its
     proposal lands back where it belongs."""
     options = dict(decoding_strategy="joint_threshold", threshold=0.5, editing_threshold=0.0, max_post_steps=2,
-                   buffer_size=2, add_block_threshold=0.5, **OPTIONS)
+                   buffer_size=2, add_block_threshold=0.5, **(OPTIONS | dict(max_model_len=32)))
     params = [SamplingParams(max_tokens=12, ignore_eos=True, **settings) for settings in (
         dict(temperature=1.0, seed=3), dict(), dict(temperature=1.0, top_k=20, seed=5),
         dict(temperature=0.8, top_p=0.9, seed=9))]

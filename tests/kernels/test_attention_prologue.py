@@ -84,7 +84,7 @@ def test_engine_tokens_are_the_same_with_the_kernel_inside_the_model(checkpoints
 
     def generate():
         llm = LLM(checkpoints("llada2", lm_head_scale=60), decoding_strategy="fixed_steps", denoising_steps=4,
-                  dtype="float32", block_size=4, max_num_seqs=2, max_model_len=64, num_pages=64)
+                  dtype="float32", block_size=4, max_num_seqs=2, max_model_len=32, num_pages=64)
         return [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))]
 
     want = generate()
