@@ -20,21 +20,15 @@ def compilations_are_shared(tmp_path_factory):
     if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker's base lies in one directory per run
         run_dir = run_dir.parent
     settings = {"jax_compilation_cache_dir": str(run_dir / "xla-cache"),
-                "jax_persistent_cache_min_compile_time_secs": 0.0,
-                "jax_persistent_cache_min_entry_size_bytes": 0}
+                "jax_persistent_cache_min_compile_time_secs": 0.0}  # tiny models compile in well under a second
     previous = {name: getattr(jax.config, name) for name in settings}
-    previous_env = {name.upper(): os.environ.get(name.upper()) for name in settings}
-    for name, value in settings.items():
-        jax.config.update(name, value)
-        os.environ[name.upper()] = str(value)
-    yield
+    with pytest.MonkeyPatch.context() as environment:
+        for name, value in settings.items():
+            jax.config.update(name, value)
+            environment.setenv(name.upper(), str(value))
+        yield
     for name, value in previous.items():
         jax.config.update(name, value)
-    for name, value in previous_env.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
 
 
 @pytest.fixture(autouse=True, scope="session")
