@@ -192,6 +192,7 @@ def _choose_tiling(q, page_size, page_table_width, num_kv_heads, overrides, prol
     # with a prologue every program also normalises and rotates its [M, D] queries in float32 registers: SDAR batch 1
     # ran 4.997 ms per forward at 64-row tiles, 4.941 at 32 (H200, engine run 20), so small grids narrow further
     min_programs = 2 * _MIN_PROGRAMS if prologue else _MIN_PROGRAMS
+    widest_q_tile = q_tile
     while (q_tile > 1 and q_tile * group > _MIN_SMALL_GRID_ROWS
            and batch * num_kv_heads * -(-window // q_tile) * max_splits < min_programs):
         q_tile //= 2
@@ -209,6 +210,14 @@ def _choose_tiling(q, page_size, page_table_width, num_kv_heads, overrides, prol
     # tiles asked for 272 KB in all on the H200 (227 KB available). The byte budget is a heuristic, not a count.
     while prologue and window_key_tile > 16 and 5 * window_key_tile * row_bytes * num_stages > _PROLOGUE_WINDOW_BYTES:
         window_key_tile //= 2
+    # A narrowed grid with a prologue walks two or three key tiles per split, too few to gain from a deep pipeline,
+    # while every stage's buffers take shared memory a second program on the SM would need (at 5 stages probably one
+    # program per SM, so SDAR batch 1's 256 programs, 160 with keys, take two waves of the H200's 132 SMs; not
+    # counted). At 2 stages (window tiles as chosen for 5) the kernel took 9.4 us per SDAR layer against 10.6 (3
+    # stages 9.9, 4 10.1); the forward 4.876 ms against 4.904 (means of six and five runs in three calls), LLaDA2 batch
+    # 1 5.805 against 5.875 (BENCHMARKS.md run 28).
+    if prologue and q_tile < widest_q_tile:
+        num_stages = 2
     tiling = _Tiling(q_tile=q_tile, group=group, key_tile=key_tile, window_key_tile=window_key_tile,
                      num_splits=num_splits,
                      num_warps=8 if q_tile * group >= 128 else 4, num_stages=num_stages, scalar_page_ids=True)
