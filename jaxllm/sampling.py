@@ -50,9 +50,9 @@ class SamplingParams:
 
 
 def _masked(logits, allowed):
-    """float32 logits, -inf where a token may not be proposed (allowed bool[V] or None: all may)."""
+    """float32 logits, -inf where a token may not be proposed (allowed [V] or None: all may)."""
     logits = logits.astype(jnp.float32)
-    return logits if allowed is None else jnp.where(allowed, logits, -jnp.inf)
+    return logits if allowed is None else jnp.where(allowed.astype(bool), logits, -jnp.inf)
 
 
 def _confidence(logits, segments, candidates, allowed=None):
@@ -63,7 +63,7 @@ def _confidence(logits, segments, candidates, allowed=None):
     # gathered, then masked: a masked float32 copy of the logits feeding the gather would be written out whole
     chosen = jnp.take_along_axis(logits, candidates[..., None], axis=-1)[..., 0].astype(jnp.float32)
     if allowed is not None:
-        chosen = jnp.where(allowed[candidates], chosen, -jnp.inf)
+        chosen = jnp.where(allowed.astype(bool)[candidates], chosen, -jnp.inf)
     return 1.0 / segments.row_mass(chosen.reshape(-1)).reshape(batch, window)
 
 
@@ -105,12 +105,19 @@ def _sampled_proposals(logits, seeds, positions, steps, temperature, top_k, top_
     return candidates, _confidence(scaled, segments, candidates)
 
 
-def propose(logits, seeds, positions, steps, temperature, top_k, top_p, allowed=None):
+def is_plain_greedy(temperature, top_k, top_p):
+    """bool[]: every row greedy and unfiltered, so `propose` may take its one-pass branch."""
+    return jnp.all((temperature <= 0.0) & (top_k <= 0) & (top_p >= 1.0))
+
+
+def propose(logits, seeds, positions, steps, temperature, top_k, top_p, allowed=None, *, plain_greedy=None):
     """A candidate token and its confidence for every position.
 
     logits [B, Q, V], bfloat16 or float32 (each branch converts them to float32 itself: the greedy branch's one
     pass reads bf16 logits directly, no float32 copy written); seeds u32[B]; positions, steps i32[B, Q]; temperature,
-    top_p f32[B]; top_k i32[B]; allowed bool[V] (None: all) the token ids that may be proposed.
+    top_p f32[B]; top_k i32[B]; allowed bool[V] or int8[V] 0 / 1 (None: all) the token ids that may be proposed
+    (int8 is what the kernel reads: made once, it costs no conversion per call); plain_greedy: `is_plain_greedy` of
+    the rows, where the caller has it already (made once per round by the engine).
     Returns (candidates i32[B, Q], confidence f32[B, Q]): confidence is the candidate's probability under the
     distribution it was drawn from (temperature, top-k and top-p applied; plain softmax when greedy).
 
@@ -119,7 +126,8 @@ def propose(logits, seeds, positions, steps, temperature, top_k, top_p, allowed=
     same values in the same order, so a request's output does not depend on its batch. The mask is applied inside
     each branch: a masked copy as the branches' operand would be one more full write and read of the logits.
     """
-    plain_greedy = jnp.all((temperature <= 0.0) & (top_k <= 0) & (top_p >= 1.0))
+    if plain_greedy is None:
+        plain_greedy = is_plain_greedy(temperature, top_k, top_p)
     candidates, confidence = jax.lax.cond(
         plain_greedy, lambda raw: _greedy_proposals(raw, allowed),
         lambda raw: _sampled_proposals(_masked(raw, allowed), seeds, positions, steps, temperature, top_k, top_p),

@@ -293,7 +293,7 @@ class KeptSegments(NamedTuple):
 def _kept_logits(logits, threshold, allowed):
     if threshold is not None:
         logits = jnp.where(order_keys(logits) >= threshold[:, None], logits, -jnp.inf)
-    return logits if allowed is None else jnp.where(allowed, logits, -jnp.inf)
+    return logits if allowed is None else jnp.where(allowed.astype(bool), logits, -jnp.inf)
 
 
 def kept_segments_reference(logits, threshold=None, allowed=None, *, segment):
@@ -311,8 +311,9 @@ def kept_segments_reference(logits, threshold=None, allowed=None, *, segment):
 
 def kept_segments(logits, threshold=None, allowed=None, *, impl="auto", chunk=1024, segment=8192, num_warps=4,
                   interpret=False):
-    """logits [N, V] (float32 or bfloat16), threshold u32[N] keys or None (keep all), allowed bool[V] or None ->
-    KeptSegments over the logits with key >= threshold (and allowed), in one read of the logits.
+    """logits [N, V] (float32 or bfloat16), threshold u32[N] keys or None (keep all), allowed bool[V] or int8[V] 0 / 1
+    (what the kernel reads; a bool mask is converted on each call) or None -> KeptSegments over the logits with key >=
+    threshold (and allowed), in one read of the logits.
 
     The sampler's confidences are softmax probabilities: with segments from the same logits, a row's argmax and
     its kept mass are bit for bit the same in any batch and from bf16 logits with a mask (its greedy branch) as

@@ -205,7 +205,8 @@ class LLMEngine:
         cfg = self.model_config
         spec = StepSpec(
             decoding=self.decoding, block_size=self.block_size, mask_token_id=self.mask_token_id,
-            num_real_tokens=min(len(self.tokenizer), cfg.vocab_size), min_logit_rows=self.config.min_logit_rows)
+            vocab_size=cfg.vocab_size, num_real_tokens=min(len(self.tokenizer), cfg.vocab_size),
+            min_logit_rows=self.config.min_logit_rows)
         max_pages = -(-self.max_model_len // self.page_size)
         # a chunk never exceeds the context; chunks below 16 tokens would only add compilations
         token_budget = max(self.config.max_num_batched_tokens, self.block_size)

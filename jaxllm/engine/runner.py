@@ -13,6 +13,7 @@ place.
 import bisect
 import dataclasses
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +25,7 @@ from jaxllm.config import DecodingConfig
 from jaxllm.decoding import WindowState
 from jaxllm.engine.scheduler import DecodeBatch, DecodeResult, PrefillBatch
 from jaxllm.models.layers import AttentionMetadata, KVCache
-from jaxllm.sampling import propose
+from jaxllm.sampling import is_plain_greedy, propose
 
 
 def powers_of_two(low: int, high: int) -> list[int]:
@@ -49,6 +50,7 @@ class StepSpec:
     decoding: DecodingConfig
     block_size: int
     mask_token_id: int
+    vocab_size: int  # the LM head's width (rows of a padded vocabulary included)
     num_real_tokens: int  # ids at or beyond this (padded vocab rows) are never proposed
     min_logit_rows: int  # EngineConfig.min_logit_rows
     attention_impl: str = "auto"
@@ -75,10 +77,33 @@ def prefill(graphdef, params, kv: KVCache, tokens, context_lens, chunk_lens, pag
     return kv
 
 
-def _proposable_tokens(vocab_size: int, spec: StepSpec):
-    """bool[V]: the ids a step may propose (not the mask token, not padded vocab rows)."""
-    vocab_ids = jnp.arange(vocab_size)
-    return (vocab_ids < spec.num_real_tokens) & (vocab_ids != spec.mask_token_id)
+class ReadRowInputs(NamedTuple):
+    """What the sampler reads besides the logits, one row per window position [B * Q], fixed for a round.
+
+    Made once before the round's loop (`read_row_inputs`). Built inside it, XLA left each of them in the loop body (the
+    per-row repeats, and the mask, its int8 copy and the greedy test inside the LM head's lax.switch branches): nine
+    small kernels in every forward, ~10 us of SDAR-8B batch 1's device time on the H200 (BENCHMARKS.md, run 32)."""
+
+    seeds: jax.Array  # u32[R]
+    positions: jax.Array  # i32[R] absolute positions
+    temperature: jax.Array  # f32[R]
+    top_k: jax.Array  # i32[R]
+    top_p: jax.Array  # f32[R]
+    allowed: jax.Array  # int8[V] 1 where a step may propose the id: not the mask token, not padded vocab rows
+    plain_greedy: jax.Array  # bool[] every request greedy, no filter (`sampling.propose`'s one-pass branch)
+
+
+def read_row_inputs(inputs: RoundInputs, positions, *, spec: StepSpec) -> ReadRowInputs:
+    window = positions.shape[1]
+
+    def per_row(x):  # [B] -> [B * Q]
+        return jnp.repeat(x, window)
+
+    vocab_ids = jnp.arange(spec.vocab_size)
+    allowed = (vocab_ids < spec.num_real_tokens) & (vocab_ids != spec.mask_token_id)
+    return ReadRowInputs(per_row(inputs.seeds), positions.reshape(-1), per_row(inputs.temperature),
+                         per_row(inputs.top_k), per_row(inputs.top_p), allowed.astype(jnp.int8),
+                         is_plain_greedy(inputs.temperature, inputs.top_k, inputs.top_p))
 
 
 def logit_row_buckets(num_rows: int, min_rows: int) -> list[int]:
@@ -89,8 +114,7 @@ def logit_row_buckets(num_rows: int, min_rows: int) -> list[int]:
     return [0, *sorted(rows for rows in quarters if rows < num_rows), num_rows]
 
 
-def proposals_at_read_positions(model, hidden, read, state: WindowState, inputs: RoundInputs, positions, *,
-                                spec: StepSpec):
+def proposals_at_read_positions(model, hidden, read, state: WindowState, rows: ReadRowInputs, *, spec: StepSpec):
     """Candidates i32[B, Q] and confidences f32[B, Q] at the positions `read` bool[B, Q]; elsewhere anything
     (`decoding.update` never reads it: the window's token and -inf, or a proposal of a padding row).
 
@@ -104,24 +128,17 @@ def proposals_at_read_positions(model, hidden, read, state: WindowState, inputs:
     """
     batch, window = read.shape
     num_rows = batch * window
-
-    def by_row(x):  # [B, Q, ...] -> [B * Q, ...]
-        return x.reshape(num_rows, *x.shape[2:])
-
-    def per_row(x):  # [B] -> [B * Q]
-        return jnp.repeat(x, window)
-
     read = read.reshape(num_rows)
     num_read = read.sum()
     # a permutation with the read rows first, in order (cumulative counts, no sort: a sort would split the loop
     # body's CUDA graph, as noted in tests/test_sampling.py)
     rank = jnp.where(read, jnp.cumsum(read) - 1, num_read + jnp.cumsum(~read) - 1)
     order = jnp.zeros(num_rows, jnp.int32).at[rank].set(jnp.arange(num_rows, dtype=jnp.int32))
-    tokens = by_row(state.tokens)
+    tokens = state.tokens.reshape(num_rows)
     unread = jnp.full(num_rows, -jnp.inf, jnp.float32)
-    steps = jnp.repeat(state.block_steps, spec.block_size, axis=1)
-    row_inputs = (by_row(hidden), per_row(inputs.seeds), by_row(positions), by_row(steps),
-                  per_row(inputs.temperature), per_row(inputs.top_k), per_row(inputs.top_p))
+    steps = jnp.repeat(state.block_steps, spec.block_size, axis=1).reshape(num_rows)
+    row_inputs = (hidden.reshape(num_rows, -1), rows.seeds, rows.positions, steps, rows.temperature, rows.top_k,
+                  rows.top_p)
 
     def rows_of(num):
         if num == 0:
@@ -134,8 +151,8 @@ def proposals_at_read_positions(model, hidden, read, state: WindowState, inputs:
                 logits = model.head(row_hidden)[:, None]  # the model's dtype: the sampler reads them as float32
             with jax.named_scope("sampler"):
                 candidates, confidence = propose(logits, seeds, row_positions[:, None], row_steps[:, None],
-                                                 temperature, top_k, top_p,
-                                                 _proposable_tokens(logits.shape[-1], spec))
+                                                 temperature, top_k, top_p, rows.allowed,
+                                                 plain_greedy=rows.plain_greedy)
             if num == num_rows:
                 return candidates[:, 0], confidence[:, 0]
             return tokens.at[order[:num]].set(candidates[:, 0]), unread.at[order[:num]].set(confidence[:, 0])
@@ -152,6 +169,7 @@ def denoise_round(graphdef, params, kv: KVCache, inputs: RoundInputs, *, spec: S
     batch, window_size = inputs.window.tokens.shape
     positions = inputs.context_lens[:, None] + jnp.arange(window_size, dtype=jnp.int32)[None, :]
     live = inputs.window.num_active_blocks > 0
+    rows = read_row_inputs(inputs, positions, spec=spec)
 
     def step(carry):
         forwards, state, kv, _ = carry
@@ -161,7 +179,7 @@ def denoise_round(graphdef, params, kv: KVCache, inputs: RoundInputs, *, spec: S
         hidden, kv = model(state.tokens, kv, md)
         read = decoding.read_positions(state, spec.decoding, block_size=spec.block_size,
                                        mask_token_id=spec.mask_token_id)
-        candidates, confidence = proposals_at_read_positions(model, hidden, read, state, inputs, positions, spec=spec)
+        candidates, confidence = proposals_at_read_positions(model, hidden, read, state, rows, spec=spec)
         with jax.named_scope("sampler"):
             state, complete = decoding.update(state, candidates, confidence, inputs.max_blocks, spec.decoding,
                                               block_size=spec.block_size, mask_token_id=spec.mask_token_id)

@@ -6,7 +6,8 @@ import numpy as np
 
 from jaxllm.config import DecodingConfig
 from jaxllm.decoding import WindowState
-from jaxllm.engine.runner import RoundInputs, StepSpec, logit_row_buckets, proposals_at_read_positions
+from jaxllm.engine.runner import (RoundInputs, StepSpec, logit_row_buckets, proposals_at_read_positions,
+                                  read_row_inputs)
 from jaxllm.sampling import propose
 
 
@@ -33,7 +34,7 @@ def test_each_read_row_gets_its_own_proposal_from_the_smallest_bucket_that_holds
             return 30.0 * jax.nn.one_hot(token, vocab)
 
     spec = StepSpec(decoding=DecodingConfig("threshold", threshold=0.5), block_size=block, mask_token_id=mask_id,
-                    num_real_tokens=vocab, min_logit_rows=1)
+                    vocab_size=vocab, num_real_tokens=vocab, min_logit_rows=1)
     hidden = jnp.arange(num_rows, dtype=jnp.float32).reshape(batch, window, 1)
     zeros, blocks = jnp.zeros(batch, jnp.int32), jnp.zeros((batch, 1), jnp.int32)
 
@@ -44,7 +45,8 @@ def test_each_read_row_gets_its_own_proposal_from_the_smallest_bucket_that_holds
                              jnp.arange(batch, dtype=jnp.uint32), jnp.zeros(batch, jnp.float32),
                              jnp.full(batch, -1, jnp.int32), jnp.ones(batch, jnp.float32), jnp.int32(1))
         positions = jnp.broadcast_to(jnp.arange(window, dtype=jnp.int32), (batch, window))
-        return proposals_at_read_positions(Head(), hidden, read, state, inputs, positions, spec=spec)
+        rows = read_row_inputs(inputs, positions, spec=spec)
+        return proposals_at_read_positions(Head(), hidden, read, state, rows, spec=spec)
 
     rng = np.random.default_rng(0)
     seen = set()
@@ -75,7 +77,7 @@ def test_a_read_row_samples_with_its_requests_seed_its_position_and_its_blocks_s
             return table[hidden[:, 0].astype(jnp.int32)]
 
     spec = StepSpec(decoding=DecodingConfig("threshold", threshold=0.5), block_size=block, mask_token_id=vocab - 1,
-                    num_real_tokens=vocab, min_logit_rows=1)
+                    vocab_size=vocab, num_real_tokens=vocab, min_logit_rows=1)
     seeds = jnp.array([11, 12], jnp.uint32)
     block_steps = jnp.array([[3, 7], [1, 5]], jnp.int32)
     context_lens = jnp.array([8, 40], jnp.int32)
@@ -87,8 +89,8 @@ def test_a_read_row_samples_with_its_requests_seed_its_position_and_its_blocks_s
                          temperature, jnp.full(batch, -1, jnp.int32), jnp.ones(batch, jnp.float32), jnp.int32(1))
     positions = context_lens[:, None] + jnp.arange(window, dtype=jnp.int32)[None, :]
     hidden = jnp.arange(num_rows, dtype=jnp.float32).reshape(batch, window, 1)
-    candidates, _ = jax.jit(lambda r: proposals_at_read_positions(Head(), hidden, r, state, inputs, positions,
-                                                                  spec=spec))(read)
+    rows = read_row_inputs(inputs, positions, spec=spec)
+    candidates, _ = jax.jit(lambda r: proposals_at_read_positions(Head(), hidden, r, state, rows, spec=spec))(read)
     propose_one = jax.jit(propose)
     allowed = jnp.arange(vocab) != vocab - 1  # as the engine: never the mask id
     alone = [[int(propose_one(table[b * window + q][None, None], seeds[b:b + 1], positions[b:b + 1, q:q + 1],
