@@ -300,9 +300,10 @@ def test_the_lm_head_on_the_read_rows_only_gives_the_same_tokens(checkpoints):
     """min_logit_rows=1 runs the LM head and sampler on the rows a step reads (masks, and filled tokens while a block
     may edit), gathered into buckets of a quarter, a half, ... of the batch's rows (the default runs all rows or,
     when none is read, none): each row keeps its request's seed and settings, its position and step, and its
-    proposal lands back where it belongs."""
+    proposal lands back where it belongs. Two requests in flight (buckets of 4, 8, 12 and 16 rows at batch 2) keep
+    the compiles of every bucket's LM head and sampler to batches 1 and 2."""
     options = dict(decoding_strategy="joint_threshold", threshold=0.5, editing_threshold=0.0, max_post_steps=2,
-                   buffer_size=2, add_block_threshold=0.5, **(OPTIONS | dict(max_model_len=32)))
+                   buffer_size=2, add_block_threshold=0.5, **(OPTIONS | dict(max_model_len=32, max_num_seqs=2)))
     params = [SamplingParams(max_tokens=12, ignore_eos=True, **settings) for settings in (
         dict(temperature=1.0, seed=3), dict(), dict(temperature=1.0, top_k=20, seed=5),
         dict(temperature=0.8, top_p=0.9, seed=9))]

@@ -456,7 +456,9 @@ def test_200_concurrent_requests_are_all_answered_and_the_pool_returns_to_baseli
 @pytest.mark.parametrize("route", ["completions", "chat/completions"])
 def test_a_long_prompt_is_tokenized_off_the_event_loop(server, route):
     """Templating and tokenizing a prompt of 700 kB takes about half a second; /health keeps answering meanwhile (the
-    prompt is then refused: it is longer than the context)."""
+    prompt is then refused: it is longer than the context). Done on the event loop, the work would hold every
+    /health sent meanwhile until it ends: one or two answers in all. Counted by answers and their median, as one
+    answer can still wait ~0.5 s when the other test worker keeps both CPU cores busy."""
     text = "def f(x):\n    return x + 1\n" * 25_000
     prompt = {"prompt": text} if route == "completions" else {"messages": [{"role": "user", "content": text}]}
 
@@ -469,11 +471,13 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(server, route):
                 sent = time.monotonic()
                 assert (await session.get("/health")).status_code == 200
                 health_latencies.append(time.monotonic() - sent)
-            return await long_request, max(health_latencies), time.monotonic() - start
+            return await long_request, sorted(health_latencies), time.monotonic() - start
 
-    refused, slowest_health, elapsed = asyncio.run(scenario())
+    refused, health_latencies, elapsed = asyncio.run(scenario())
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
-    assert slowest_health < elapsed / 4, f"/health took {slowest_health:.3f}s of the request's {elapsed:.3f}s"
+    median = health_latencies[len(health_latencies) // 2]
+    assert len(health_latencies) >= 5 and median < elapsed / 4, (
+        f"{len(health_latencies)} /health answers in the request's {elapsed:.3f}s, median {median:.3f}s")
 
 
 # metrics
