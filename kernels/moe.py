@@ -345,10 +345,11 @@ class ExpertGroups(NamedTuple):
     tile_rows: jax.Array | None = None
 
 
-# Up to this many assignments (batch 8 of 32-token windows at top-8) the groups come from pairwise comparisons, whose
-# work grows as A^2 but runs as a few wide elementwise-and-reduce kernels; beyond it from counts over chunks of
-# _COUNT_CHUNK assignments.
-_COMPARE_MAX_ASSIGNMENTS = 2048
+# Up to this many assignments (batch 32 of 32-token windows at top-8) the groups come from the two Pallas kernels of
+# `_group_by_expert_pallas`, whose second kernel loads every chunk's counts in each program (64 KB of L2 per program
+# at this bound); beyond it (prefills) from XLA's count method. In one prefill of 16384 tokens the kernel took 2.2 ms a
+# layer on the H200 (engine run 33).
+_PALLAS_GROUPING_MAX_ASSIGNMENTS = 8192
 # Assignments per chunk of count: its [chunks, chunk, E] and [chunks, chunk, chunk] compares stay A * (E + chunk).
 # Not tuned: timed alone, every grouping was dispatch-bound (engine run 17, call 2).
 _COUNT_CHUNK = 128
@@ -367,29 +368,32 @@ _SHARED_IN_KERNELS_MAX_TOKENS = 1024
 _HALF_TILE_MIN_BLOCK_M = 32
 
 
-def _group_by_expert(expert_ids, num_experts, block_m, method="auto"):
+def _group_by_expert(expert_ids, num_experts, block_m, method="auto", interpret=False):
     """Order the assignments by expert into per-expert groups padded to whole row tiles.
 
-    method: "compare" (an assignment's row is its group's padded start plus the number of earlier assignments to the
-    same expert; a row's token is found by comparing the row against every assignment's row), "count" (the same
-    rows, the earlier assignments counted per chunk; each row's token scattered into it), "every_token" (T <= block_m
-    only: expert e's tile, rows [e*bm, e*bm + T), holds every token, visited when some assignment chose e), or "auto"
-    (every_token where the tokens fit one tile, else compare up to _COMPARE_MAX_ASSIGNMENTS, else count). compare and
-    count give identical groups. Nothing sorts: XLA:GPU runs a large sort as a library call, which splits the
-    denoising loop's CUDA graph, and its sort of 8192 assignments took 32 us per layer on the H200.
+    An assignment's row is its group's padded start plus the number of earlier assignments to the same expert,
+    counted per chunk of _COUNT_CHUNK assignments (a count per chunk and expert, summed over the earlier chunks, plus
+    the earlier ones in its own chunk); each row's token is scattered into it. method: "pallas" (two kernels, see
+    `_group_by_expert_pallas`), "count" (the same in XLA: the reference, and the method for prefills), "every_token"
+    (T <= block_m only: expert e's tile, rows [e*bm, e*bm + T), holds every token, visited when some assignment chose
+    e), or "auto" (every_token where the tokens fit one tile, else pallas up to _PALLAS_GROUPING_MAX_ASSIGNMENTS,
+    else count). pallas and count give identical groups. Nothing sorts: XLA:GPU runs a large sort as a library call,
+    which splits the denoising loop's CUDA graph, and its sort of 8192 assignments took 32 us per layer on the H200.
 
-    compare is written without scatters: a scatter updates its operand in place, and inside the engine's denoising
-    while-loop XLA hoists a constant operand (the zeros it starts from) out of the loop and copies it back every
-    iteration (~4 copies per MoE layer in the H200's HLO of LLaDA2's round, routing included). count's one scatter
-    may cost such a copy of R * bm indices; the sorts it replaced needed more (batch-32 forward on the H200: 37.6 ->
-    18.1 small copies, engine run 17). The result passes an optimization barrier so XLA computes it once instead of
-    fusing the counting into every element of its consumers.
+    count's result passes an optimization barrier so XLA computes it once instead of fusing the counting into every
+    element of its consumers. Its one scatter may cost a copy of R * bm indices inside a while-loop (XLA hoists the
+    scatter's constant operand and copies it back every iteration), which is why decode batches take the kernels.
     """
     num_tokens, top_k = expert_ids.shape
     num_assignments = num_tokens * top_k
     if method == "auto":
         method = ("every_token" if num_tokens <= block_m else
-                  "compare" if num_assignments <= _COMPARE_MAX_ASSIGNMENTS else "count")
+                  "pallas" if num_assignments <= _PALLAS_GROUPING_MAX_ASSIGNMENTS else "count")
+    if method == "pallas":
+        row_token, tile_expert, assignment_row, tile_rows = _group_by_expert_pallas(expert_ids, num_experts, block_m,
+                                                                                    interpret)
+        return ExpertGroups(row_token, tile_expert, assignment_row,
+                            tile_rows=tile_rows if block_m >= _HALF_TILE_MIN_BLOCK_M else None)
     flat_expert = expert_ids.reshape(-1).astype(jnp.int32)  # [A]
     expert = jnp.arange(num_experts, dtype=jnp.int32)
     group_sizes = jnp.sum(flat_expert[:, None] == expert, axis=0, dtype=jnp.int32)  # [E]
@@ -401,6 +405,8 @@ def _group_by_expert(expert_ids, num_experts, block_m, method="auto"):
         assignment_row = expert_ids.astype(jnp.int32) * block_m + jnp.arange(num_tokens, dtype=jnp.int32)[:, None]
         # no barrier: nothing here is worth computing once for many consumers (the rows are one multiply-add)
         return ExpertGroups(row_token, jnp.where(group_sizes > 0, expert, -1), assignment_row, flat_expert)
+    if method != "count":
+        raise ValueError(f"unknown grouping method {method!r}; use 'auto', 'every_token', 'pallas' or 'count'")
     num_row_tiles = _num_row_tiles(num_assignments, num_experts, block_m)
     assignment = jnp.arange(num_assignments)
     padded_sizes = (group_sizes + block_m - 1) // block_m * block_m
@@ -411,34 +417,24 @@ def _group_by_expert(expert_ids, num_experts, block_m, method="auto"):
     # the expert owning a tile is the number of groups (empty ones included) that end at or before its first row
     tile_expert = jnp.sum(padded_ends[None, :] <= tile_start[:, None], axis=1, dtype=jnp.int32)
     tile_expert = jnp.where(tile_start < padded_ends[-1], tile_expert, -1)
-    row = jnp.arange(num_row_tiles * block_m)  # [R*bm]
 
-    if method == "compare":
-        earlier_same = (flat_expert[None, :] == flat_expert[:, None]) & (assignment[None, :] < assignment[:, None])
-        rank_in_group = jnp.sum(earlier_same, axis=1, dtype=jnp.int32)  # [A]
-        assignment_row = padded_starts[flat_expert] + rank_in_group
-        holds = assignment_row[None, :] == row[:, None]  # [R*bm, A]: at most one True per row
-        row_token = jnp.sum(jnp.where(holds, assignment[None, :] // top_k, 0), axis=1, dtype=jnp.int32)
-    elif method == "count":
-        # rank in group = same-expert assignments in earlier chunks (a per-chunk count and a cumsum over chunks)
-        # plus those earlier in its own chunk: A * (E + chunk) compares, where compare makes A^2 and more
-        chunk = _COUNT_CHUNK
-        num_chunks = -(-num_assignments // chunk)
-        chunked = jnp.pad(flat_expert, (0, num_chunks * chunk - num_assignments),
-                          constant_values=num_experts).reshape(num_chunks, chunk)  # padding matches no expert
-        chunk_counts = jnp.sum(chunked[:, :, None] == expert, axis=1, dtype=jnp.int32)  # [chunks, E]
-        before_chunk = jnp.cumsum(chunk_counts, axis=0) - chunk_counts
-        lane = jnp.arange(chunk)
-        earlier_in_chunk = jnp.sum((chunked[:, None, :] == chunked[:, :, None]) & (lane < lane[:, None]), axis=2,
-                                   dtype=jnp.int32)  # [chunks, chunk]
-        rank_in_group = (jnp.take_along_axis(before_chunk, jnp.minimum(chunked, num_experts - 1), axis=1)
-                         + earlier_in_chunk).reshape(-1)[:num_assignments]
-        assignment_row = padded_starts[flat_expert] + rank_in_group
-        # rows are distinct: a scatter of each assignment's token (padding rows keep token 0)
-        row_token = jnp.zeros(num_row_tiles * block_m, jnp.int32).at[assignment_row].set(
-            assignment // top_k, unique_indices=True)
-    else:
-        raise ValueError(f"unknown grouping method {method!r}; use 'auto', 'every_token', 'compare' or 'count'")
+    # rank in group = same-expert assignments in earlier chunks (a per-chunk count and a cumsum over chunks) plus
+    # those earlier in its own chunk: A * (E + chunk) compares
+    chunk = _COUNT_CHUNK
+    num_chunks = -(-num_assignments // chunk)
+    chunked = jnp.pad(flat_expert, (0, num_chunks * chunk - num_assignments),
+                      constant_values=num_experts).reshape(num_chunks, chunk)  # padding matches no expert
+    chunk_counts = jnp.sum(chunked[:, :, None] == expert, axis=1, dtype=jnp.int32)  # [chunks, E]
+    before_chunk = jnp.cumsum(chunk_counts, axis=0) - chunk_counts
+    lane = jnp.arange(chunk)
+    earlier_in_chunk = jnp.sum((chunked[:, None, :] == chunked[:, :, None]) & (lane < lane[:, None]), axis=2,
+                               dtype=jnp.int32)  # [chunks, chunk]
+    rank_in_group = (jnp.take_along_axis(before_chunk, jnp.minimum(chunked, num_experts - 1), axis=1)
+                     + earlier_in_chunk).reshape(-1)[:num_assignments]
+    assignment_row = padded_starts[flat_expert] + rank_in_group
+    # rows are distinct: a scatter of each assignment's token (padding rows keep token 0)
+    row_token = jnp.zeros(num_row_tiles * block_m, jnp.int32).at[assignment_row].set(
+        assignment // top_k, unique_indices=True)
     tile_rows = None
     if block_m >= _HALF_TILE_MIN_BLOCK_M:  # smaller tiles run at full height: nothing to count
         safe_expert = jnp.maximum(tile_expert, 0)
@@ -447,6 +443,111 @@ def _group_by_expert(expert_ids, num_experts, block_m, method="auto"):
     return lax.optimization_barrier(ExpertGroups(row_token.astype(jnp.int32), tile_expert,
                                                  assignment_row.reshape(num_tokens, top_k).astype(jnp.int32),
                                                  tile_rows=tile_rows))
+
+
+def _scatter(ref, index, value, mask):
+    """ref[index] = value where mask. Masked-off lanes aim past the end: the GPU skips them either way, and interpret
+    mode's scatter drops out-of-range updates, where lanes sharing a clamped index would race to write old values."""
+    pltriton.store(ref.at[jnp.where(mask, index, ref.shape[0])], value, mask=mask)
+
+
+def _group_count_kernel(ids_ref, counts_ref, ranks_ref, *, chunk):
+    # expert ids i32[A] -> counts i32[NC, E'] (chunk c's assignments per expert; E' lanes, a power of two >= E),
+    # ranks i32[NC * chunk] (each assignment's earlier same-expert assignments in its chunk). Program c: chunk c.
+    num_assignments, lanes = ids_ref.shape[0], counts_ref.shape[1]
+    first = pl.program_id(0) * chunk
+    index = first + lax.iota(jnp.int32, chunk)
+    # lanes past the assignments take expert E', which no expert lane matches; they come last in their chunk, so no
+    # real assignment counts them
+    expert = jnp.where(index < num_assignments, ids_ref[jnp.minimum(index, num_assignments - 1)], lanes)
+    chosen = expert[:, None] == lax.broadcasted_iota(jnp.int32, (chunk, lanes), 1)
+    counts_ref[pl.program_id(0), :] = jnp.sum(chosen.astype(jnp.int32), axis=0)
+    lane = lax.iota(jnp.int32, chunk)
+    earlier_same = (expert[None, :] == expert[:, None]) & (lane[None, :] < lane[:, None])
+    ranks_ref[pl.ds(first, chunk)] = jnp.sum(earlier_same.astype(jnp.int32), axis=1)
+
+
+def _group_rows_kernel(ids_ref, counts_ref, ranks_ref, row_token_ref, assignment_row_ref, tile_expert_ref,
+                       tile_rows_ref, *, chunk, top_k, block_m, tiles_per_program):
+    # The count kernel's outputs -> the groups (`ExpertGroups`): program c places chunk c's assignments (their rows,
+    # and each row's token) and describes row tiles [c * tiles_per_program, (c + 1) * tiles_per_program) (their
+    # expert, filled rows, and token 0 in their padding rows). Every row is written by exactly one program.
+    num_assignments, lanes = ids_ref.shape[0], counts_ref.shape[1]
+    num_row_tiles = tile_expert_ref.shape[0]
+    program = pl.program_id(0)
+    counts = counts_ref[...]  # [NC, E']
+    group_sizes = jnp.sum(counts, axis=0)  # [E']; 0 in the lanes past E
+    before_chunk = jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, counts.shape, 0) < program, counts, 0), axis=0)
+    padded_sizes = (group_sizes + block_m - 1) // block_m * block_m
+    padded_ends = jnp.cumsum(padded_sizes)
+    padded_starts = padded_ends - padded_sizes
+    expert_lane = lax.iota(jnp.int32, lanes)
+
+    index = program * chunk + lax.iota(jnp.int32, chunk)
+    real = index < num_assignments
+    assignment = jnp.minimum(index, num_assignments - 1)
+    own_group = ids_ref[assignment][:, None] == expert_lane[None, :]  # [chunk, E']: gathers by one-hot sums
+    row = (jnp.sum(jnp.where(own_group, (padded_starts + before_chunk)[None, :], 0), axis=1)
+           + ranks_ref[pl.ds(program * chunk, chunk)])
+    _scatter(assignment_row_ref, index, row, real)
+    _scatter(row_token_ref, row, assignment // top_k, real)
+
+    tile = program * tiles_per_program + lax.iota(jnp.int32, tiles_per_program)
+    tile_start = tile * block_m
+    occupied = tile_start < jnp.sum(padded_sizes)
+    # the expert owning a tile is the number of groups (empty ones included) that end at or before its first row
+    tile_expert = jnp.where(occupied, jnp.sum((padded_ends[None, :] <= tile_start[:, None]).astype(jnp.int32), axis=1),
+                            -1)
+    owner = expert_lane[None, :] == tile_expert[:, None]  # [tiles, E']
+    rows_left = jnp.sum(jnp.where(owner, (group_sizes + padded_starts)[None, :], 0), axis=1) - tile_start
+    tile_rows = jnp.where(occupied, jnp.clip(rows_left, 0, block_m), 0)
+    in_grid = tile < num_row_tiles
+    _scatter(tile_expert_ref, tile, tile_expert, in_grid)
+    _scatter(tile_rows_ref, tile, tile_rows, in_grid)
+    row_in_tile = lax.iota(jnp.int32, block_m)
+    padding = (row_in_tile[None, :] >= tile_rows[:, None]) & in_grid[:, None]  # [tiles, bm]: the rows no one holds
+    _scatter(row_token_ref, tile_start[:, None] + row_in_tile[None, :], jnp.zeros(padding.shape, jnp.int32), padding)
+
+
+def _group_by_expert_pallas(expert_ids, num_experts, block_m, interpret):
+    """`_group_by_expert`'s count method as two Pallas kernels, no XLA between them: per chunk of _COUNT_CHUNK
+    assignments its counts per expert and in-chunk ranks, then per chunk the rows of its assignments and of a slice
+    of the row tiles. Returns (row_token, tile_expert, assignment_row, tile_rows)."""
+    num_tokens, top_k = expert_ids.shape
+    num_assignments = num_tokens * top_k
+    chunk = _COUNT_CHUNK
+    num_chunks = 1 << (-(-num_assignments // chunk) - 1).bit_length()  # a power of two: the counts load whole
+    lanes = 1 << (num_experts - 1).bit_length()
+    num_row_tiles = _num_row_tiles(num_assignments, num_experts, block_m)
+    tiles_per_program = 1 << (-(-num_row_tiles // num_chunks) - 1).bit_length()
+    flat_ids = expert_ids.reshape(-1).astype(jnp.int32)
+    raw = pl.BlockSpec(memory_space=pl.ANY)
+    counts, ranks = pl.pallas_call(
+        functools.partial(_group_count_kernel, chunk=chunk),
+        out_shape=[jax.ShapeDtypeStruct((num_chunks, lanes), jnp.int32),
+                   jax.ShapeDtypeStruct((num_chunks * chunk,), jnp.int32)],
+        grid=(num_chunks,),
+        in_specs=[raw],
+        out_specs=[raw, raw],
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="moe_group_count",
+    )(flat_ids)
+    row_token, assignment_row, tile_expert, tile_rows = pl.pallas_call(
+        functools.partial(_group_rows_kernel, chunk=chunk, top_k=top_k, block_m=block_m,
+                          tiles_per_program=tiles_per_program),
+        out_shape=[jax.ShapeDtypeStruct((num_row_tiles * block_m,), jnp.int32),
+                   jax.ShapeDtypeStruct((num_assignments,), jnp.int32),
+                   jax.ShapeDtypeStruct((num_row_tiles,), jnp.int32),
+                   jax.ShapeDtypeStruct((num_row_tiles,), jnp.int32)],
+        grid=(num_chunks,),
+        in_specs=[raw, raw, raw],
+        out_specs=[raw, raw, raw, raw],
+        compiler_params=pltriton.CompilerParams(num_warps=8, num_stages=1),
+        interpret=interpret,
+        name="moe_group_rows",
+    )(flat_ids, counts, ranks)
+    return row_token, tile_expert, assignment_row.reshape(num_tokens, top_k), tile_rows
 
 
 # e4m3 weight tiles are up-cast to bf16 by bit arithmetic, 4 values per PTX instance (one 32-bit register in, two
@@ -793,7 +894,7 @@ def _moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, *, fp8
                    else "plain")
         tiles = default_tiles(num_tokens, expert_ids.shape[1], num_experts, hidden, two_inter // 2, weights)
     _check_tiles(tiles, hidden, two_inter // 2)
-    groups = _group_by_expert(expert_ids, num_experts, tiles.block_m)
+    groups = _group_by_expert(expert_ids, num_experts, tiles.block_m, interpret=interpret)
     # plain weights take a shared expert of the experts' width as more row tiles: its weights stream beside the
     # routed ones instead of in two XLA GEMMs, a SiLU-multiply and an add of their own
     in_kernels = (shared is not None and num_tokens <= _SHARED_IN_KERNELS_MAX_TOKENS and not fp8_activations

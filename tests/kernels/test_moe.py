@@ -241,7 +241,7 @@ def test_pallas_matches_reference(name):
 # Every-token cases leave experts untouched and choose some only once (one token; the id bounds), so a tile that skips
 # a chosen expert or runs an unchosen one fails; several column and k tiles move the shared tile's offsets. Grouped
 # cases take ceil(T / bm) shared tiles, the last one partly padding or (48 tokens, 16-row tiles) full; 2304
-# assignments are grouped by counting.
+# assignments fill 18 chunks of the grouping kernels' 32 (the rest count nothing).
 MULTI_TILE = MoeTiles(32, gate_up=GemmTiles(32, 32, 4, 2), down=GemmTiles(32, 32, 4, 2))
 SHARED_CASES = {  # name: (tokens, top_k, experts, routing, x dtype, routed weight mode, shared width / expert width,
     #                      tiles, in the kernels)
@@ -250,10 +250,10 @@ SHARED_CASES = {  # name: (tokens, top_k, experts, routing, x dtype, routed weig
     "one_token_f32": (1, 4, 16, "random", jnp.float32, None, 1, None, True),
     "id_bounds_f32": (6, 2, 16, "ends", jnp.float32, None, 1, None, True),
     "several_tiles_f32": (20, 2, 16, "random", jnp.float32, None, 1, MULTI_TILE, True),
-    "compare_grouping_f32": (40, 4, 8, "random", jnp.float32, None, 1, SMALL_TILES, True),
-    "compare_grouping_whole_tiles_bf16": (48, 2, 16, "random", jnp.bfloat16, None, 1, SMALL_TILES, True),
-    "compare_grouping_several_tiles_f32": (40, 2, 16, "random", jnp.float32, None, 1, MULTI_TILE, True),
-    "count_grouping_f32": (256, 9, 16, "random", jnp.float32, None, 1, SMALL_TILES, True),
+    "grouped_f32": (40, 4, 8, "random", jnp.float32, None, 1, SMALL_TILES, True),
+    "grouped_whole_tiles_bf16": (48, 2, 16, "random", jnp.bfloat16, None, 1, SMALL_TILES, True),
+    "grouped_several_tiles_f32": (40, 2, 16, "random", jnp.float32, None, 1, MULTI_TILE, True),
+    "grouped_many_chunks_f32": (256, 9, 16, "random", jnp.float32, None, 1, SMALL_TILES, True),
     "persistent_down_f32": (53, 4, 8, "random", jnp.float32, None, 1, PERSISTENT_TILES, True),
     "beyond_a_decode_batch_f32": (1025, 2, 8, "random", jnp.float32, None, 1, SMALL_TILES, False),
     "int8_routed_bf16": (20, 4, 8, "random", jnp.bfloat16, "int8_channel_major", 1, None, False),
@@ -319,7 +319,7 @@ def test_xla_shared_expert_rounds_no_more_than_the_kernels_shared_tile():
     assert error < 0.012, error
 
 
-@pytest.mark.parametrize("method", ["compare", "count"])
+@pytest.mark.parametrize("method", ["pallas", "count"])
 @pytest.mark.parametrize("pattern", ["random", "subset", "one_expert", "tile_plus_one"])
 def test_grouping_visits_only_filled_tiles(pattern, method):
     rng = np.random.default_rng(3)
@@ -329,7 +329,8 @@ def test_grouping_visits_only_filled_tiles(pattern, method):
         ids = ids.reshape(-1, 1)
     else:
         ids = _routing(rng, 45, 2 if pattern == "subset" else 3, num_experts, pattern)
-    groups = jax.tree.map(np.asarray, _group_by_expert(jnp.asarray(ids, jnp.int32), num_experts, block_m, method))
+    groups = jax.tree.map(np.asarray, _group_by_expert(jnp.asarray(ids, jnp.int32), num_experts, block_m, method,
+                                                       interpret=True))
 
     sizes = np.bincount(ids.ravel(), minlength=num_experts)
     filled_tiles = int(np.sum(-(-sizes // block_m)))
@@ -347,7 +348,9 @@ def test_grouping_visits_only_filled_tiles(pattern, method):
     filled = np.bincount(rows // block_m, minlength=len(groups.tile_expert))
     np.testing.assert_array_equal(groups.tile_rows, filled)
     assert (rows % block_m < groups.tile_rows[rows // block_m]).all()
-    assert _group_by_expert(jnp.asarray(ids, jnp.int32), num_experts, 16, method).tile_rows is None  # full height
+    assert (groups.row_token < ids.shape[0]).all()  # padding rows read a real token (0)
+    assert _group_by_expert(jnp.asarray(ids, jnp.int32), num_experts, 16, method,
+                            interpret=True).tile_rows is None  # full height
 
 
 @pytest.mark.parametrize("num_tokens, block_m", [(32, 32), (5, 16), (1, 16)])
@@ -411,16 +414,20 @@ def test_every_token_grouping_refuses_tokens_beyond_one_tile():
 
 
 @pytest.mark.parametrize("num_tokens, top_k, num_experts, block_m, pattern", [
-    (32, 8, 256, 16, "random"), (256, 8, 256, 16, "random"), (7, 3, 5, 16, "random"), (40, 2, 8, 64, "random"),
-    (45, 3, 16, 16, "subset"), (40, 4, 8, 16, "one_expert")])
-def test_grouping_by_comparison_equals_grouping_by_counting(num_tokens, top_k, num_experts, block_m, pattern):
-    """The engine's batch sizes (32 and 256 tokens at LLaDA2's top-8 of 256), odd shapes, empty experts, one expert
-    for everything: identical groups."""
+    (1024, 8, 256, 64, "random"), (256, 8, 256, 16, "random"), (7, 3, 5, 16, "random"), (40, 2, 8, 64, "random"),
+    (45, 3, 16, 16, "subset"), (40, 4, 8, 16, "one_expert"), (300, 2, 64, 32, "random")])
+def test_grouping_kernels_equal_grouping_by_counting(num_tokens, top_k, num_experts, block_m, pattern):
+    """The engine's batch sizes (batch 32's 1024 tokens, the kernels' bound, and batch 8's 256 at LLaDA2's top-8 of
+    256), odd shapes (experts and chunks not powers of two), empty experts, one expert for everything: identical
+    groups, padding rows included."""
     ids = jnp.asarray(_routing(np.random.default_rng(num_tokens), num_tokens, top_k, num_experts, pattern))
-    by_comparison, by_counting = (_group_by_expert(ids, num_experts, block_m, method)
-                                  for method in ("compare", "count"))
-    for compared, counted in zip(by_comparison, by_counting):
-        np.testing.assert_array_equal(np.asarray(compared), np.asarray(counted))
+    by_kernels = _group_by_expert(ids, num_experts, block_m, "pallas", interpret=True)
+    by_counting = _group_by_expert(ids, num_experts, block_m, "count")
+    for field, kernels, counted in zip(by_kernels._fields, by_kernels, by_counting):
+        if counted is None:
+            assert kernels is None, field
+            continue
+        np.testing.assert_array_equal(np.asarray(kernels), np.asarray(counted), err_msg=field)
 
 
 def test_rejects_bad_shapes_and_fp8_activations_without_fp8_weights():
@@ -465,7 +472,12 @@ def test_full_size_layer_lowers_to_triton_for_cuda(num_tokens):
                                                                                              jnp.bfloat16))
         with jax.sharding.use_abstract_mesh(mesh):
             text = run.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-        assert text.count("__gpu$xla.gpu.triton") == 2, (mode, fp8_activations, channel_major)
+        weights = "plain" if mode == "bf16" else "fp8_activations" if fp8_activations else "upcast"
+        grouped = num_tokens > default_tiles(num_tokens, top_k, experts, hidden, inter, weights).block_m
+        # the expert kernels, and where the tokens do not fit one row tile the two grouping kernels up to a decode
+        # batch's assignments (XLA groups a prefill's)
+        kernels = 4 if grouped and num_tokens * top_k <= 8192 else 2
+        assert text.count("__gpu$xla.gpu.triton") == kernels, (mode, fp8_activations, channel_major)
         in_kernels = num_tokens <= 1024 and mode == "bf16" and not fp8_activations
         assert text.count("stablehlo.dot_general") == (0 if in_kernels else 2), (mode, num_tokens)
         assert "stablehlo.sort" not in text
@@ -492,19 +504,23 @@ def _pallas_operand_counts(fn, *args) -> list[int]:
     return [len(eqn.invars) for eqn in _equations(fn, *args) if eqn.primitive.name == "pallas_call"]
 
 
-def test_routing_and_grouping_scatter_nothing():
-    """No scatter in XLA's routing and grouping (pinned to the XLA router: the GPU picks the Pallas one): in the
+def test_decode_batches_group_in_two_kernels_and_prefills_in_xla():
+    """Up to batch 32's 8192 assignments the groups come from the two kernels, with no scatter in XLA: inside the
     engine's while-loop XLA hoists a scatter's constant operand (its zeros) and copies it back every iteration (~4
-    copies per MoE layer in the H200's HLO). And a barrier after the grouping: without it XLA fused the grouping
+    copies per MoE layer in the H200's HLO). Beyond that (prefills; the kernels' per-program load of every chunk's
+    counts took 2.2 ms a layer at 16384 tokens) XLA counts, behind a barrier: without it XLA fused the grouping
     arithmetic into every element of the combine (a 34 us fusion per layer on the H200)."""
-    def route_and_group(logits):
+    def route_and_group(logits, block_m=16):
         _, ids = route_grouped_sigmoid(logits, jnp.zeros(64), top_k=4, n_group=4, topk_group=2,
                                        routed_scaling_factor=1.0, norm_topk_prob=True, impl="reference")
-        return _group_by_expert(ids, 64, 16)
+        return _group_by_expert(ids, 64, block_m, interpret=True)
 
-    names = [eqn.primitive.name for eqn in _equations(route_and_group, jnp.ones((32, 64)))]
-    assert "top_k" in names and not [n for n in names if n.startswith("scatter")], names
-    assert "optimization_barrier" in names
+    decode = [eqn.primitive.name for eqn in _equations(route_and_group, jnp.ones((2048, 64)), into_kernels=False)]
+    assert "top_k" in decode and not [n for n in decode if n.startswith("scatter")], decode
+    assert [eqn.params["name"] for eqn in _equations(route_and_group, jnp.ones((2048, 64)), into_kernels=False)
+            if eqn.primitive.name == "pallas_call"] == ["moe_group_count", "moe_group_rows"]
+    prefill = [eqn.primitive.name for eqn in _equations(route_and_group, jnp.ones((2049, 64)), into_kernels=False)]
+    assert "pallas_call" not in prefill and "optimization_barrier" in prefill
 
 
 def test_unscaled_operands_pass_no_scale_arrays():
