@@ -18,6 +18,7 @@ from jax.sharding import AbstractDevice, AbstractMesh
 from jaxllm.kernels.moe import (
     GemmTiles,
     MoeTiles,
+    _PALLAS_GROUPING_MAX_ASSIGNMENTS,
     _group_by_expert,
     _num_row_tiles,
     _plus_shared,
@@ -476,7 +477,7 @@ def test_full_size_layer_lowers_to_triton_for_cuda(num_tokens):
         grouped = num_tokens > default_tiles(num_tokens, top_k, experts, hidden, inter, weights).block_m
         # the expert kernels, and where the tokens do not fit one row tile the two grouping kernels up to a decode
         # batch's assignments (XLA groups a prefill's)
-        kernels = 4 if grouped and num_tokens * top_k <= 8192 else 2
+        kernels = 4 if grouped and num_tokens * top_k <= _PALLAS_GROUPING_MAX_ASSIGNMENTS else 2
         assert text.count("__gpu$xla.gpu.triton") == kernels, (mode, fp8_activations, channel_major)
         in_kernels = num_tokens <= 1024 and mode == "bf16" and not fp8_activations
         assert text.count("stablehlo.dot_general") == (0 if in_kernels else 2), (mode, num_tokens)
@@ -515,11 +516,14 @@ def test_decode_batches_group_in_two_kernels_and_prefills_in_xla():
                                        routed_scaling_factor=1.0, norm_topk_prob=True, impl="reference")
         return _group_by_expert(ids, 64, block_m, interpret=True)
 
-    decode = [eqn.primitive.name for eqn in _equations(route_and_group, jnp.ones((2048, 64)), into_kernels=False)]
-    assert "top_k" in decode and not [n for n in decode if n.startswith("scatter")], decode
-    assert [eqn.params["name"] for eqn in _equations(route_and_group, jnp.ones((2048, 64)), into_kernels=False)
-            if eqn.primitive.name == "pallas_call"] == ["moe_group_count", "moe_group_rows"]
-    prefill = [eqn.primitive.name for eqn in _equations(route_and_group, jnp.ones((2049, 64)), into_kernels=False)]
+    most_tokens = _PALLAS_GROUPING_MAX_ASSIGNMENTS // 4  # at top-4
+    decode = _equations(route_and_group, jnp.ones((most_tokens, 64)), into_kernels=False)
+    names = [eqn.primitive.name for eqn in decode]
+    assert "top_k" in names and not [n for n in names if n.startswith("scatter")], names
+    assert [eqn.params["name"] for eqn in decode if eqn.primitive.name == "pallas_call"] == ["moe_group_count",
+                                                                                             "moe_group_rows"]
+    prefill = [eqn.primitive.name for eqn in _equations(route_and_group, jnp.ones((most_tokens + 1, 64)),
+                                                        into_kernels=False)]
     assert "pallas_call" not in prefill and "optimization_barrier" in prefill
 
 
