@@ -168,17 +168,29 @@ def _in_row_blocks(function, logits, *per_row, segment):
 def _segment_call(kernel, out_shape, logits, *operands, chunk, segment, interpret, num_warps=4, **params):
     """kernel over a grid of (row, segment of the vocabulary) -> out_shape (per (row, segment) results, flat)."""
     num_rows, vocab = logits.shape
+    program = _segment_program(kernel, out_shape, (num_rows, pl.cdiv(vocab, segment)), 1 + len(operands), num_warps,
+                               interpret, tuple(sorted(dict(params, chunk=chunk, segment=segment).items())))
+    return program(logits, *operands)
+
+
+@functools.cache
+def _segment_program(kernel, out_shape, grid, num_inputs, num_warps, interpret, params):
+    """The pallas_call of `_segment_call`, built once per static configuration: jit keeps one traced kernel per
+    built call and shapes, so one filter_threshold traces its 17 calls' kernels 4 times instead of 17, and a second
+    trace of the same shapes not at all. An engine traces both branches of `lax.platform_dependent` in each of its
+    programs, on the CPU too, where the 17 traces took ~1.6 s per filter_threshold: tests/kernels/test_top_k_top_p.py
+    148 -> 117 s, the whole suite's test time 1217 -> 1050 s (2 CPU cores)."""
     raw = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
-        functools.partial(kernel, chunk=chunk, segment=segment, **params),
+        functools.partial(kernel, **dict(params)),
         out_shape=out_shape,
-        grid=(num_rows, pl.cdiv(vocab, segment)),
-        in_specs=[raw] * (1 + len(operands)),
+        grid=grid,
+        in_specs=[raw] * num_inputs,
         out_specs=jax.tree.map(lambda _: raw, out_shape),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="top_k_top_p_" + kernel.__name__.strip("_").removesuffix("_kernel"),
-    )(logits, *operands)
+    )
 
 
 def _segment_sums(logits, active, shift, candidates, *, weighted, chunk, segment, interpret):

@@ -2,6 +2,7 @@
 references against a float64 definition, over ties, masked ids, vocabularies that end mid-chunk and every search
 width."""
 
+import collections
 import functools
 
 import jax
@@ -114,6 +115,27 @@ def test_a_rows_thresholds_do_not_depend_on_its_batch():
     for row in range(5):
         alone = thresholds(logits[row:row + 1], top_k[row:row + 1], top_p[row:row + 1])
         assert int(alone[0]) == together[row], f"row {row}"
+
+
+def test_one_threshold_traces_each_kernel_once_per_configuration(monkeypatch):
+    """filter_threshold makes 17 kernel calls (a maximum, then 8 passes of 4 bits for top-k and 8 for top-p), in 4
+    configurations (top-p's first pass also sums at its floor). Each configuration's kernel is traced once: an
+    engine traces the kernels in every bucket's program, on the CPU too (both branches of platform_dependent), where
+    one trace per call took ~1.6 s per filter_threshold."""
+    traces = collections.Counter()
+    for name in ("_segment_maximum_kernel", "_segment_sums_kernel"):
+        kernel = getattr(top_k_top_p, name)
+
+        @functools.wraps(kernel)
+        def counted(*refs, kernel=kernel, name=name, **params):
+            traces[name] += 1
+            return kernel(*refs, **params)
+
+        monkeypatch.setattr(top_k_top_p, name, counted)  # a new function: nothing cached for it yet
+    thresholds = functools.partial(filter_threshold, impl="pallas", interpret=True, chunk=64, segment=128)
+    jax.jit(thresholds).trace(jax.ShapeDtypeStruct((3, 300), jnp.float32), jax.ShapeDtypeStruct((3,), jnp.int32),
+                              jax.ShapeDtypeStruct((3,), jnp.float32))
+    assert traces == {"_segment_maximum_kernel": 1, "_segment_sums_kernel": 3}
 
 
 def test_more_logits_than_int32_offsets_reach_run_as_blocks_of_rows(monkeypatch):
