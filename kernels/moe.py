@@ -50,7 +50,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jaxllm.kernels import is_power_of_two
+from jaxllm.kernels import is_power_of_two, pallas_program
 from jaxllm.quantization import QuantizedWeight, dequantize, quantize_rows
 
 
@@ -122,20 +122,12 @@ def _route_kernel(logits_ref, bias_ref, weights_ref, ids_ref, *, top_k, n_group,
 def _route_grouped_sigmoid_pallas(router_logits, expert_bias, *, top_k, n_group, topk_group, routed_scaling_factor,
                                   norm_topk_prob, interpret):
     num_tokens = router_logits.shape[0]
-    kernel = functools.partial(_route_kernel, top_k=top_k, n_group=n_group, topk_group=topk_group,
-                               routed_scaling_factor=float(routed_scaling_factor), norm_topk_prob=norm_topk_prob)
-    raw = pl.BlockSpec(memory_space=pl.ANY)
-    return pl.pallas_call(
-        kernel,
-        out_shape=[jax.ShapeDtypeStruct((num_tokens, top_k), jnp.float32),
-                   jax.ShapeDtypeStruct((num_tokens, top_k), jnp.int32)],
-        grid=(num_tokens,),
-        in_specs=[raw, raw],
-        out_specs=[raw, raw],
-        compiler_params=pltriton.CompilerParams(num_warps=1, num_stages=1),
-        interpret=interpret,
-        name="moe_route",
-    )(router_logits.astype(jnp.float32), expert_bias.astype(jnp.float32))
+    program = pallas_program(
+        _route_kernel, [jax.ShapeDtypeStruct((num_tokens, top_k), jnp.float32),
+                        jax.ShapeDtypeStruct((num_tokens, top_k), jnp.int32)], (num_tokens,),
+        name="moe_route", num_warps=1, interpret=interpret, num_raw_inputs=2, top_k=top_k, n_group=n_group,
+        topk_group=topk_group, routed_scaling_factor=float(routed_scaling_factor), norm_topk_prob=norm_topk_prob)
+    return program(router_logits.astype(jnp.float32), expert_bias.astype(jnp.float32))
 
 
 def route_grouped_sigmoid(router_logits, expert_bias, *, top_k, n_group, topk_group, routed_scaling_factor,
@@ -521,32 +513,17 @@ def _group_by_expert_pallas(expert_ids, num_experts, block_m, interpret):
     num_row_tiles = _num_row_tiles(num_assignments, num_experts, block_m)
     tiles_per_program = 1 << (-(-num_row_tiles // num_chunks) - 1).bit_length()
     flat_ids = expert_ids.reshape(-1).astype(jnp.int32)
-    raw = pl.BlockSpec(memory_space=pl.ANY)
-    counts, ranks = pl.pallas_call(
-        functools.partial(_group_count_kernel, chunk=chunk),
-        out_shape=[jax.ShapeDtypeStruct((num_chunks, lanes), jnp.int32),
-                   jax.ShapeDtypeStruct((num_chunks * chunk,), jnp.int32)],
-        grid=(num_chunks,),
-        in_specs=[raw],
-        out_specs=[raw, raw],
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
-        interpret=interpret,
-        name="moe_group_count",
-    )(flat_ids)
-    row_token, assignment_row, tile_expert, tile_rows = pl.pallas_call(
-        functools.partial(_group_rows_kernel, chunk=chunk, top_k=top_k, block_m=block_m,
-                          tiles_per_program=tiles_per_program),
-        out_shape=[jax.ShapeDtypeStruct((num_row_tiles * block_m,), jnp.int32),
-                   jax.ShapeDtypeStruct((num_assignments,), jnp.int32),
-                   jax.ShapeDtypeStruct((num_row_tiles,), jnp.int32),
-                   jax.ShapeDtypeStruct((num_row_tiles,), jnp.int32)],
-        grid=(num_chunks,),
-        in_specs=[raw, raw, raw],
-        out_specs=[raw, raw, raw, raw],
-        compiler_params=pltriton.CompilerParams(num_warps=8, num_stages=1),
-        interpret=interpret,
-        name="moe_group_rows",
-    )(flat_ids, counts, ranks)
+    counts, ranks = pallas_program(
+        _group_count_kernel, [jax.ShapeDtypeStruct((num_chunks, lanes), jnp.int32),
+                              jax.ShapeDtypeStruct((num_chunks * chunk,), jnp.int32)], (num_chunks,),
+        name="moe_group_count", num_warps=4, interpret=interpret, num_raw_inputs=1, chunk=chunk)(flat_ids)
+    row_token, assignment_row, tile_expert, tile_rows = pallas_program(
+        _group_rows_kernel, [jax.ShapeDtypeStruct((num_row_tiles * block_m,), jnp.int32),
+                             jax.ShapeDtypeStruct((num_assignments,), jnp.int32),
+                             jax.ShapeDtypeStruct((num_row_tiles,), jnp.int32),
+                             jax.ShapeDtypeStruct((num_row_tiles,), jnp.int32)], (num_chunks,),
+        name="moe_group_rows", num_warps=8, interpret=interpret, num_raw_inputs=3, chunk=chunk, top_k=top_k,
+        block_m=block_m, tiles_per_program=tiles_per_program)(flat_ids, counts, ranks)
     return row_token, tile_expert, assignment_row.reshape(num_tokens, top_k), tile_rows
 
 
@@ -793,10 +770,6 @@ def _persistent_program_count(interpret):
     return getattr(jax.devices()[0], "core_count", None) or 132
 
 
-def _compiler_params(gemm):
-    return pltriton.CompilerParams(num_warps=gemm.num_warps, num_stages=gemm.num_stages)
-
-
 def _experts_operand(groups: ExpertGroups) -> jax.Array:
     return groups.tile_expert if groups.expert_ids is None else groups.expert_ids
 
@@ -820,19 +793,14 @@ def _gate_up(groups, x, x_scale, w_values, w_scales, channel_major, *, act_dtype
         shared_rows = jnp.arange(num_shared_tiles * tiles.block_m, dtype=jnp.int32)
         row_token = jnp.concatenate([jnp.where(shared_rows < x.shape[0], shared_rows, 0), row_token])
     inter = w_values.shape[1 if channel_major else 2] // 2
-    kernel = functools.partial(_gate_up_kernel, block_m=tiles.block_m, tiles=tiles.gate_up, inter=inter,
-                               has_x_scale=x_scale is not None, has_w_scale=w_scales is not None,
-                               num_shared_tiles=num_shared_tiles, channel_major=channel_major,
-                               every_token=groups.expert_ids is not None, half_tiles=groups.tile_rows is not None,
-                               interpret=interpret)
-    return pl.pallas_call(
-        kernel,
-        grid=(row_token.shape[0] // tiles.block_m, inter // tiles.gate_up.block_n),
-        out_shape=jax.ShapeDtypeStruct((row_token.shape[0], inter), act_dtype),
-        compiler_params=_compiler_params(tiles.gate_up),
-        interpret=interpret,
-        name="moe_gate_up",
-    )(_experts_operand(groups), row_token, x, *_half_tile_operand(groups),
+    program = pallas_program(
+        _gate_up_kernel, jax.ShapeDtypeStruct((row_token.shape[0], inter), act_dtype),
+        (row_token.shape[0] // tiles.block_m, inter // tiles.gate_up.block_n), name="moe_gate_up",
+        num_warps=tiles.gate_up.num_warps, num_stages=tiles.gate_up.num_stages, interpret=interpret,
+        block_m=tiles.block_m, tiles=tiles.gate_up, inter=inter, has_x_scale=x_scale is not None,
+        has_w_scale=w_scales is not None, num_shared_tiles=num_shared_tiles, channel_major=channel_major,
+        every_token=groups.expert_ids is not None, half_tiles=groups.tile_rows is not None)
+    return program(_experts_operand(groups), row_token, x, *_half_tile_operand(groups),
       *_scaled_operands(x_scale, w_values, w_scales),
       *([] if shared is None else [shared[None]]))
 
@@ -848,32 +816,21 @@ def _down(groups, act, act_scale, w_values, w_scales, channel_major, *, out_dtyp
             raise ValueError(f"persistent_down needs plain weights in grouped tiles of >= {_HALF_TILE_MIN_BLOCK_M} "
                              f"rows")
         num_programs = _persistent_program_count(interpret)
-        kernel = functools.partial(_persistent_down_kernel, block_m=tiles.block_m, tiles=tiles.down,
-                                   num_programs=num_programs, num_shared_tiles=num_shared_tiles, interpret=interpret)
         operands = [groups.tile_expert, groups.tile_rows, act, w_values, *([] if shared is None else [shared[None]])]
-        return pl.pallas_call(
-            kernel,
-            grid=(num_programs,),
-            in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * len(operands),
-            out_specs=pl.BlockSpec(memory_space=pl.ANY),
-            out_shape=jax.ShapeDtypeStruct((num_rows, hidden), out_dtype),
-            compiler_params=_compiler_params(tiles.down),
-            interpret=interpret,
-            name="moe_down",
-        )(*operands)
-    kernel = functools.partial(_down_kernel, block_m=tiles.block_m, tiles=tiles.down,
-                               has_act_scale=act_scale is not None, has_w_scale=w_scales is not None,
-                               num_shared_tiles=num_shared_tiles, channel_major=channel_major,
-                               every_token=groups.expert_ids is not None, half_tiles=groups.tile_rows is not None,
-                               interpret=interpret)
-    return pl.pallas_call(
-        kernel,
-        grid=(num_rows // tiles.block_m, hidden // tiles.down.block_n),
-        out_shape=jax.ShapeDtypeStruct((num_rows, hidden), out_dtype),
-        compiler_params=_compiler_params(tiles.down),
-        interpret=interpret,
-        name="moe_down",
-    )(_experts_operand(groups), act, *_half_tile_operand(groups),
+        program = pallas_program(
+            _persistent_down_kernel, jax.ShapeDtypeStruct((num_rows, hidden), out_dtype), (num_programs,),
+            name="moe_down", num_warps=tiles.down.num_warps, num_stages=tiles.down.num_stages, interpret=interpret,
+            num_raw_inputs=len(operands), block_m=tiles.block_m, tiles=tiles.down, num_programs=num_programs,
+            num_shared_tiles=num_shared_tiles)
+        return program(*operands)
+    program = pallas_program(
+        _down_kernel, jax.ShapeDtypeStruct((num_rows, hidden), out_dtype),
+        (num_rows // tiles.block_m, hidden // tiles.down.block_n), name="moe_down", num_warps=tiles.down.num_warps,
+        num_stages=tiles.down.num_stages, interpret=interpret, block_m=tiles.block_m, tiles=tiles.down,
+        has_act_scale=act_scale is not None, has_w_scale=w_scales is not None, num_shared_tiles=num_shared_tiles,
+        channel_major=channel_major, every_token=groups.expert_ids is not None,
+        half_tiles=groups.tile_rows is not None)
+    return program(_experts_operand(groups), act, *_half_tile_operand(groups),
       *_scaled_operands(act_scale, w_values, w_scales), *([] if shared is None else [shared[None]]))
 
 

@@ -28,7 +28,7 @@ the scatter updates the pool in place (H200: ~18 us per block write inside a jit
 
 The model calls `paged_attention_from_qkv`: the same kernel reading q and the window's K/V straight from the QKV
 projection, applying the per-head q/k RMSNorm and RoPE as it loads them (`attention_prologue.rotated_head_tile`) and
-writing the window's K/V into the pool (the last key split's programs, each its query tile's tokens), so no separate
+writing the window's K/V into the pool (one program per query tile, its tokens), so no separate
 prologue kernel runs (it took ~3.6 us per SDAR layer at batch 1). On the H200 the engine runs level with the separate
 prologue kernel it replaced (engine run 21: SDAR batch 1 4.879 both, LLaDA2 batches 1 and 8 within 10 us, batch 32
 +92 us).
@@ -302,9 +302,9 @@ def _paged_attention_kernel(layer_ref, page_table_ref, context_lens_ref, window_
     normalised partial), lse_ref [TQ, Gp] (only with splits: log2-sum-exp2 of this split's log2-unit scores).
     With a prologue, q_ref, k_ref, v_ref are replaced by qkv_ref [B*Q, (H+2K)*D], the norm weights [D], the
     `rope_rows` cos and signed sin [B*Q, D] and pool_rows i32[B*Q]; q and the window's K/V are normalised and rotated
-    on loading (`rotated_head_tile`), and the last split's program of each query tile also writes its tokens' K/V
-    into the pool through k_pages_out, v_pages_out (aliased to the pool inputs; the committed rows this kernel reads
-    are never window rows).
+    on loading (`rotated_head_tile`), and one program per query tile also writes its tokens' K/V into the pool
+    through k_pages_out, v_pages_out (aliased to the pool inputs; the committed rows this kernel reads are never
+    window rows).
     """
     q_tile, split, kv_head, b = (pl.program_id(axis) for axis in range(4))
     refs = list(refs)
@@ -343,17 +343,8 @@ def _paged_attention_kernel(layer_ref, page_table_ref, context_lens_ref, window_
             v = pltriton.load(qkv_ref.at[tokens[:, None], v_start + cols], mask=valid[:, None], other=0.0)
             return k.astype(dtype), v.astype(dtype)
 
-        # the last split's programs write the K/V of their query tile's tokens into the pool: at batch 1 and 8 the
-        # key range splits into chunks of whole key tiles, so the last split holds the fewest keys (often none). On the
-        # H200 one writer per (request, kv head) at the first split trailed the others (SDAR batch 1 +96 us per
-        # forward); this rule runs level with the separate prologue kernel (engine runs 20 and 21).
-        write_tile = min(_next_pow2(tiling.q_tile), tiling.window_key_tile)
-
-        def write(t, carry):
-            offset = first_query + t * write_tile + jax.lax.iota(jnp.int32, write_tile)
-            valid = (offset < window) & (offset < first_query + tiling.q_tile)
-            row = jnp.minimum(offset, window - 1)
-            k, v = window_kv(row, valid)
+        def write_window_kv(row, valid, k, v):
+            """Store the window K/V of window rows `row` where `valid` into the pool."""
             pool_row = pltriton.load(pool_rows_ref.at[b * window + row])
             in_pool = valid & (pool_row >= 0) & (pool_row < num_pool_rows)
             # a dropped token's lanes are masked on the GPU; interpret mode writes every index and drops only those
@@ -362,11 +353,28 @@ def _paged_attention_kernel(layer_ref, page_table_ref, context_lens_ref, window_
             mask = jnp.broadcast_to(in_pool[:, None], k.shape)
             pltriton.store(k_pages_out.at[layer, kv_head, target, cols], k.astype(k_pages_out.dtype), mask=mask)
             pltriton.store(v_pages_out.at[layer, kv_head, target, cols], v.astype(v_pages_out.dtype), mask=mask)
+
+        # Who writes a query tile's tokens. Unsplit (batch 32), its one program, as the window loop loads them: a
+        # query tile's window range holds all its tokens (the block-causal bound lies past its last query, a sliding
+        # window starts before its first). Split (batch 1 and 8), the last split's programs, in a pass of their own:
+        # the key range splits into chunks of whole key tiles, so the last split holds the fewest keys (often none).
+        # On the H200, us per layer alone (BENCHMARKS.md run 35): LLaDA2 batch 32 25.0 as loaded against 26.9 in a
+        # pass; batch 1 8.0 as loaded against 6.9, SDAR batch 1 10.5 against 9.7. A writer at the first split had
+        # trailed the others (SDAR batch 1 +96 us per forward).
+        write_while_loading = tiling.num_splits == 1
+        write_tile = min(_next_pow2(tiling.q_tile), tiling.window_key_tile)
+
+        def write_pass(t, carry):
+            offset = first_query + t * write_tile + jax.lax.iota(jnp.int32, write_tile)
+            valid = (offset < window) & (offset < first_query + tiling.q_tile)
+            row = jnp.minimum(offset, window - 1)
+            write_window_kv(row, valid, *window_kv(row, valid))
             return carry
 
-        @pl.when(split == tiling.num_splits - 1)
-        def _():
-            jax.lax.fori_loop(0, pl.cdiv(tiling.q_tile, write_tile), write, 0)
+        if not write_while_loading:
+            @pl.when(split == tiling.num_splits - 1)
+            def _():
+                jax.lax.fori_loop(0, pl.cdiv(tiling.q_tile, write_tile), write_pass, 0)
         # row m holds query first_query + m // Gp of head g = m % Gp; padding rows repeat real ones (sliced off)
         row_in_tile = jax.lax.iota(jnp.int32, num_rows)
         q_token = b * window + jnp.minimum(first_query + row_in_tile // tiling.group, window - 1)
@@ -421,7 +429,10 @@ def _paged_attention_kernel(layer_ref, page_table_ref, context_lens_ref, window_
         offset = t * tiling.window_key_tile + jax.lax.iota(jnp.int32, tiling.window_key_tile)  # [TKW]
         key_idx = w_lo + window_offset + offset
         valid = offset < window_count
-        k, v = window_kv(jnp.minimum(key_idx, window - 1), valid)
+        row = jnp.minimum(key_idx, window - 1)
+        k, v = window_kv(row, valid)
+        if prologue is not None and write_while_loading:
+            write_window_kv(row, valid & (key_idx >= first_query) & (key_idx < first_query + tiling.q_tile), k, v)
         visible = valid[None, :] & (key_idx[None, :] // block_size <= query_idx // block_size)
         if sliding_window is not None:
             visible = visible & (query_idx - key_idx[None, :] < sliding_window)
@@ -458,17 +469,36 @@ def _combine_splits(partial_out, partial_lse):
         jnp.add, weights)
 
 
-def _attention_call(window_operands, window_specs, k_pages, v_pages, layer, page_table, context_lens, window_lens, *,
-                    q_shape, dtype, tiling, block_size, sm_scale, sliding_window, logit_soft_cap, interpret, prologue):
+def _attention_call(window_operands, k_pages, v_pages, layer, page_table, context_lens, window_lens, *, q_shape,
+                    dtype, tiling, interpret, prologue, block_size, sm_scale, sliding_window, logit_soft_cap):
     """The kernel over the queries and window K/V given as window_operands (q5, k, v; or with a prologue the
     projection, norm weights, cos, sin and pool rows): ([B, Q, H, D] output, the pool outputs with a prologue)."""
     batch, window, num_heads, head_dim = q_shape
     num_layers, num_kv_heads, num_pages, page_size, _ = k_pages.shape
     if not is_power_of_two(head_dim):
         raise ValueError(f"the Pallas kernel needs a power-of-2 head_dim, got {head_dim}")
-    group = num_heads // num_kv_heads
-    num_q_tiles = -(-window // tiling.q_tile)
     pool_shape = (num_layers, num_kv_heads, num_pages * page_size, head_dim)  # pages flattened to rows: free
+    params = dict(block_size=block_size, page_size=page_size, sm_scale=float(sm_scale), sliding_window=sliding_window,
+                  logit_soft_cap=None if logit_soft_cap is None else float(logit_soft_cap))
+    program, num_outputs = _attention_program(
+        batch, -(-window // tiling.q_tile), num_kv_heads, head_dim, jnp.dtype(dtype), pool_shape,
+        (jnp.dtype(k_pages.dtype), jnp.dtype(v_pages.dtype)), len(window_operands), tiling, prologue, interpret,
+        tuple(sorted(params.items())))
+    outs = program(jnp.asarray(layer, jnp.int32).reshape(1), page_table.astype(jnp.int32),
+                   context_lens.astype(jnp.int32), window_lens.astype(jnp.int32), *window_operands,
+                   k_pages.reshape(pool_shape), v_pages.reshape(pool_shape))
+    out = outs[0] if tiling.num_splits == 1 else _combine_splits(*outs[:2])
+    out = out.astype(dtype)[:, :window, :, :num_heads // num_kv_heads].reshape(q_shape)
+    return out, [pool.reshape(k_pages.shape) for pool in outs[num_outputs:]]
+
+
+@functools.cache
+def _attention_program(batch, num_q_tiles, num_kv_heads, head_dim, dtype, pool_shape, pool_dtypes,
+                       num_window_operands, tiling, prologue, interpret, params):
+    """The pallas_call of `_attention_call` and its number of attention outputs (the pool outputs follow), built once
+    per static configuration as `pallas_program` builds the others (this one has blocked operands and aliased pool
+    outputs). A model's layers differ only in the layer index, a runtime operand, so its program traces the kernel
+    once, not once per layer (LLaDA2 batch 32, 20 layers: 1.80 -> 0.25 s on this CPU)."""
     out_dims = (num_q_tiles * tiling.q_tile, num_kv_heads, tiling.group)
     tile = _query_tile(tiling, head_dim)
     if tiling.num_splits == 1:
@@ -481,17 +511,16 @@ def _attention_call(window_operands, window_specs, k_pages, v_pages, layer, page
                      pl.BlockSpec((pl.squeezed, *tile[:-1]), lambda t, s, h, b: (s, b, t, h, 0))]
     raw = pl.BlockSpec(memory_space=pl.ANY)  # indexed in-kernel (no scalar prefetch on GPU)
     num_outputs, aliases = len(out_shape), {}
-    if prologue is not None:  # the pool comes back written, in place
-        out_shape += [jax.ShapeDtypeStruct(pool_shape, k_pages.dtype), jax.ShapeDtypeStruct(pool_shape, v_pages.dtype)]
+    if prologue is None:  # q5 in query tiles; the window's k and v indexed in-kernel
+        window_specs = [pl.BlockSpec(tile, lambda t, s, h, b: (b, t, h, 0, 0)), raw, raw]
+    else:  # everything indexed in-kernel; the pool comes back written, in place
+        window_specs = [raw] * num_window_operands
+        out_shape += [jax.ShapeDtypeStruct(pool_shape, pool_dtype) for pool_dtype in pool_dtypes]
         out_specs += [raw, raw]
-        first_pool_operand = 4 + len(window_operands)
+        first_pool_operand = 4 + num_window_operands
         aliases = {first_pool_operand: num_outputs, first_pool_operand + 1: num_outputs + 1}
-    kernel = functools.partial(_paged_attention_kernel, tiling=tiling, block_size=block_size, page_size=page_size,
-                               sm_scale=float(sm_scale), sliding_window=sliding_window,
-                               logit_soft_cap=None if logit_soft_cap is None else float(logit_soft_cap),
-                               prologue=prologue)
-    outs = pl.pallas_call(
-        kernel,
+    program = pl.pallas_call(
+        functools.partial(_paged_attention_kernel, tiling=tiling, prologue=prologue, **dict(params)),
         out_shape=out_shape,
         grid=(num_q_tiles, tiling.num_splits, num_kv_heads, batch),  # query tiles sharing K/V launch together
         in_specs=[*[raw] * 4, *window_specs, raw, raw],
@@ -500,11 +529,8 @@ def _attention_call(window_operands, window_specs, k_pages, v_pages, layer, page
         compiler_params=pltriton.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
         interpret=interpret,
         name="paged_block_attention",
-    )(jnp.asarray(layer, jnp.int32).reshape(1), page_table.astype(jnp.int32), context_lens.astype(jnp.int32),
-      window_lens.astype(jnp.int32), *window_operands, k_pages.reshape(pool_shape), v_pages.reshape(pool_shape))
-    out = outs[0] if tiling.num_splits == 1 else _combine_splits(*outs[:2])
-    out = out.astype(dtype)[:, :window, :, :group].reshape(q_shape)
-    return out, [pool.reshape(k_pages.shape) for pool in outs[num_outputs:]]
+    )
+    return program, num_outputs
 
 
 def _query_tile(tiling, head_dim):
@@ -523,10 +549,8 @@ def _paged_attention_pallas(q, k, v, k_pages, v_pages, layer, page_table, contex
     q5 = q.reshape(batch, window, num_kv_heads, group, head_dim)
     if (padded_window, tiling.group) != (window, group):
         q5 = jnp.pad(q5, ((0, 0), (0, padded_window - window), (0, 0), (0, tiling.group - group), (0, 0)))
-    q_spec = pl.BlockSpec(_query_tile(tiling, head_dim), lambda t, s, h, b: (b, t, h, 0, 0))
-    out, _ = _attention_call([q5, k, v], [q_spec, *[pl.BlockSpec(memory_space=pl.ANY)] * 2], k_pages, v_pages, layer,
-                             page_table, context_lens, window_lens, q_shape=q.shape, dtype=q.dtype, tiling=tiling,
-                             prologue=None, **kwargs)
+    out, _ = _attention_call([q5, k, v], k_pages, v_pages, layer, page_table, context_lens, window_lens,
+                             q_shape=q.shape, dtype=q.dtype, tiling=tiling, prologue=None, **kwargs)
     return out
 
 
@@ -543,9 +567,8 @@ def _paged_attention_from_qkv_pallas(qkv, q_norm_weight, k_norm_weight, cos, sin
     cos_rows, sin_rows = rope_rows(cos.reshape(tokens, -1), sin.reshape(tokens, -1), head_dim, qkv.dtype)
     operands = [qkv.reshape(tokens, -1), q_norm_weight, k_norm_weight, cos_rows, sin_rows, pool_rows]
     out, (k_pages, v_pages) = _attention_call(
-        operands, [pl.BlockSpec(memory_space=pl.ANY)] * len(operands), k_pages, v_pages, layer, page_table,
-        context_lens, window_lens, q_shape=q_shape, dtype=qkv.dtype, tiling=tiling,
-        prologue=_Prologue(num_heads, window, cos.shape[-1], float(eps)), **kwargs)
+        operands, k_pages, v_pages, layer, page_table, context_lens, window_lens, q_shape=q_shape, dtype=qkv.dtype,
+        tiling=tiling, prologue=_Prologue(num_heads, window, cos.shape[-1], float(eps)), **kwargs)
     return out, k_pages, v_pages
 
 

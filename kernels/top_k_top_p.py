@@ -33,7 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jaxllm.kernels import is_power_of_two
+from jaxllm.kernels import is_power_of_two, pallas_program
 
 
 def order_keys(x):
@@ -166,31 +166,17 @@ def _in_row_blocks(function, logits, *per_row, segment):
 
 
 def _segment_call(kernel, out_shape, logits, *operands, chunk, segment, interpret, num_warps=4, **params):
-    """kernel over a grid of (row, segment of the vocabulary) -> out_shape (per (row, segment) results, flat)."""
+    """kernel over a grid of (row, segment of the vocabulary) -> out_shape (per (row, segment) results, flat). One
+    filter_threshold makes 17 such calls of 4 configurations, and an engine traces both branches of
+    `lax.platform_dependent` in each of its programs, on the CPU too: built once per configuration
+    (`pallas_program`), the kernels traced 4 times there instead of 17 (~1.6 s per filter_threshold; an engine test's
+    tracing 12.0 -> 5.9 s)."""
     num_rows, vocab = logits.shape
-    program = _segment_program(kernel, out_shape, (num_rows, pl.cdiv(vocab, segment)), 1 + len(operands), num_warps,
-                               interpret, tuple(sorted(dict(params, chunk=chunk, segment=segment).items())))
+    program = pallas_program(kernel, out_shape, (num_rows, pl.cdiv(vocab, segment)),
+                             name="top_k_top_p_" + kernel.__name__.strip("_").removesuffix("_kernel"),
+                             num_warps=num_warps, interpret=interpret, num_raw_inputs=1 + len(operands), chunk=chunk,
+                             segment=segment, **params)
     return program(logits, *operands)
-
-
-@functools.cache
-def _segment_program(kernel, out_shape, grid, num_inputs, num_warps, interpret, params):
-    """The pallas_call of `_segment_call`, built once per static configuration: jit keeps one traced kernel per
-    built call and shapes, so one filter_threshold traces its 17 calls' kernels 4 times instead of 17, and a second
-    trace of the same shapes not at all. An engine traces both branches of `lax.platform_dependent` in each of its
-    programs, on the CPU too, where the 17 traces took ~1.6 s per filter_threshold (an engine test's tracing 12.0 ->
-    5.9 s; tests/kernels/test_top_k_top_p.py 148 -> 117 s, one after the other on 2 CPU cores)."""
-    raw = pl.BlockSpec(memory_space=pl.ANY)
-    return pl.pallas_call(
-        functools.partial(kernel, **dict(params)),
-        out_shape=out_shape,
-        grid=grid,
-        in_specs=[raw] * num_inputs,
-        out_specs=jax.tree.map(lambda _: raw, out_shape),
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
-        interpret=interpret,
-        name="top_k_top_p_" + kernel.__name__.strip("_").removesuffix("_kernel"),
-    )
 
 
 def _segment_sums(logits, active, shift, candidates, *, weighted, chunk, segment, interpret):

@@ -538,6 +538,40 @@ def test_unscaled_operands_pass_no_scale_arrays():
     assert _pallas_operand_counts(run, x, ids, weights, *int8) == [5, 4]  # + per-column weight scales
 
 
+def test_a_models_layers_trace_each_kernel_once(monkeypatch):
+    """A model's MoE layers call the router and expert kernels on the same shapes; its program traces each kernel
+    once, not once per layer (LLaDA2's 19 layers at batch 32 traced in 1.95 s on the CPU, in 0.26 once)."""
+    from jaxllm.kernels import moe
+
+    traces = []
+    for name in ("_route_kernel", "_group_count_kernel", "_group_rows_kernel", "_gate_up_kernel",
+                 "_persistent_down_kernel"):
+        kernel = getattr(moe, name)
+
+        @functools.wraps(kernel)
+        def counted(*refs, kernel=kernel, name=name, **params):
+            traces.append(name)
+            return kernel(*refs, **params)
+
+        monkeypatch.setattr(moe, name, counted)  # a new function: no program built for it yet
+    spec = jax.ShapeDtypeStruct
+    num_tokens, num_experts = 64, 16
+
+    def layers(x, logits, w_gate_up, w_down):
+        for _ in range(3):
+            weights, ids = route_grouped_sigmoid(logits, jnp.zeros(num_experts), top_k=4, n_group=4, topk_group=2,
+                                                 routed_scaling_factor=1.0, norm_topk_prob=True, impl="pallas",
+                                                 interpret=True)
+            x = moe_experts(x, ids, weights, w_gate_up, w_down, impl="pallas", interpret=True, tiles=PERSISTENT_TILES)
+        return x
+
+    jax.make_jaxpr(layers)(spec((num_tokens, HIDDEN), jnp.float32), spec((num_tokens, num_experts), jnp.float32),
+                           spec((num_experts, HIDDEN, 2 * INTER), jnp.float32),
+                           spec((num_experts, INTER, HIDDEN), jnp.float32))
+    assert sorted(traces) == ["_gate_up_kernel", "_group_count_kernel", "_group_rows_kernel",
+                              "_persistent_down_kernel", "_route_kernel"]
+
+
 # ---------------------------------------------------------------------------------------------- GPU only
 
 @gpu
