@@ -354,7 +354,7 @@ def _paged_attention_kernel(layer_ref, page_table_ref, context_lens_ref, window_
             pltriton.store(k_pages_out.at[layer, kv_head, target, cols], k.astype(k_pages_out.dtype), mask=mask)
             pltriton.store(v_pages_out.at[layer, kv_head, target, cols], v.astype(v_pages_out.dtype), mask=mask)
 
-        # Who writes a query tile's tokens. Unsplit (batch 32), its one program, as the window loop loads them: a
+        # Who writes a query tile's tokens. Unsplit (batch 32, prefills), its program, as the window loop loads them: a
         # query tile's window range holds all its tokens (the block-causal bound lies past its last query, a sliding
         # window starts before its first). Split (batch 1 and 8), the last split's programs, in a pass of their own:
         # the key range splits into chunks of whole key tiles, so the last split holds the fewest keys (often none).
