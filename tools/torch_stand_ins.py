@@ -4,7 +4,28 @@ SDAR is Qwen3ForCausalLM verbatim; LLaDA2 is Glm4MoeForCausalLM with renamed MoE
 tests and by tools/bench_torch_forward.py.
 """
 
-from transformers import Glm4MoeConfig, Glm4MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM
+import contextlib
+import sys
+from pathlib import Path
+
+REPOSITORY = Path(__file__).resolve().parents[1]
+
+
+@contextlib.contextmanager
+def _repository_off_sys_path():
+    """transformers >= 5.25 imports Hugging Face's `kernels` package with its models. Where this repository's root is
+    on sys.path (pytest's `pythonpath`, `python -m tools...` from the root), its own kernels/ directory is found first
+    and that import fails; the root leaves sys.path while transformers imports the models."""
+    saved = list(sys.path)
+    sys.path[:] = [entry for entry in saved if Path(entry or ".").resolve() != REPOSITORY]
+    try:
+        yield
+    finally:
+        sys.path[:] = saved
+
+
+with _repository_off_sys_path():
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 
 def stand_in(hf: dict):
