@@ -801,8 +801,7 @@ def _gate_up(groups, x, x_scale, w_values, w_scales, channel_major, *, act_dtype
         has_w_scale=w_scales is not None, num_shared_tiles=num_shared_tiles, channel_major=channel_major,
         every_token=groups.expert_ids is not None, half_tiles=groups.tile_rows is not None)
     return program(_experts_operand(groups), row_token, x, *_half_tile_operand(groups),
-      *_scaled_operands(x_scale, w_values, w_scales),
-      *([] if shared is None else [shared[None]]))
+                   *_scaled_operands(x_scale, w_values, w_scales), *([] if shared is None else [shared[None]]))
 
 
 def _down(groups, act, act_scale, w_values, w_scales, channel_major, *, out_dtype, tiles, interpret, shared=None,
@@ -831,7 +830,7 @@ def _down(groups, act, act_scale, w_values, w_scales, channel_major, *, out_dtyp
         channel_major=channel_major, every_token=groups.expert_ids is not None,
         half_tiles=groups.tile_rows is not None)
     return program(_experts_operand(groups), act, *_half_tile_operand(groups),
-      *_scaled_operands(act_scale, w_values, w_scales), *([] if shared is None else [shared[None]]))
+                   *_scaled_operands(act_scale, w_values, w_scales), *([] if shared is None else [shared[None]]))
 
 
 def _values_and_scales(w):

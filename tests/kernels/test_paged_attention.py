@@ -210,6 +210,8 @@ QKV_SWEEP = {
     "prefill_query_tiles": QkvCase(SWEEP["prefill_query_tiles"]),
     "window_not_power_of_2_rope_48": QkvCase(SWEEP["window_not_power_of_2"], rotary_dim=48),  # 24 frequencies
     "splits_sliding_bf16": QkvCase(SWEEP["splits_sliding_bf16"]),
+    # unsplit, so the window loop writes: later query tiles' sliding windows start past the window's first keys
+    "sliding_query_tiles_unsplit": QkvCase(SWEEP["sliding_window"], tiling=(("q_tile", 4), ("num_splits", 1))),
 }
 
 
