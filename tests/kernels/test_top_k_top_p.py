@@ -42,6 +42,9 @@ def test_order_keys_order_like_the_floats_with_both_zeros_alike():
 # segments of 128 over 300 logits: the last one part-filled, its last chunk wholly past the vocabulary's end
 IMPLS = [dict(impl="reference")] + [dict(impl="pallas", interpret=True, chunk=64, segment=128, bits=bits)
                                     for bits in (1, 2, 4)]
+# The kernels' tests below run IMPLS[-1] on [4, 300] or [1, 300] logits: compiling one interpret-mode filter takes
+# ~5 s on this CPU, and a shape compiled once is a hit in the suite's compilation cache for every later test.
+PALLAS, ROWS, VOCAB = IMPLS[-1], 4, 300
 
 
 @pytest.mark.parametrize("kwargs", IMPLS, ids=lambda kw: kw["impl"] + str(kw.get("bits", "")))
@@ -68,10 +71,12 @@ def test_top_p_counts_its_mass_over_what_top_k_keeps_as_hugging_face_does(kwargs
     from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
     rng = np.random.default_rng(9)
-    rows = (rng.normal(size=(8, 300)) * 2).astype(np.float32)
+    rows = (rng.normal(size=(2 * ROWS, VOCAB)) * 2).astype(np.float32)
     rows[0, :3], rows[0, 3:] = np.log([0.4, 0.35, 0.25]), -np.inf
     top_k, top_p = [2, 2, 5, 20, 50, 300, -1, 10], [0.5, 0.7, 0.9, 0.3, 0.8, 0.6, 0.95, 1.0]
-    kept = _kept(jax.jit(functools.partial(filter_threshold, **kwargs)), rows, top_k, top_p)
+    thresholds = jax.jit(functools.partial(filter_threshold, **kwargs))
+    kept = np.concatenate([_kept(thresholds, rows[half], top_k[half], top_p[half])
+                           for half in (slice(0, ROWS), slice(ROWS, None))])
     assert kept[0].sum() == 1
     for row, row_kept, k, p in zip(rows, kept, top_k, top_p):
         scores = torch.from_numpy(row)[None]
@@ -108,11 +113,11 @@ def test_a_rows_thresholds_do_not_depend_on_its_batch():
     """Each row's sums are its segments' sums added in one order, whatever the number of rows: a seeded request's
     nucleus (and so its draws) must not change with the requests batched beside it."""
     rng = np.random.default_rng(9)
-    logits = jnp.asarray(rng.normal(size=(5, 1000)) * 2, jnp.float32)
-    top_k, top_p = jnp.asarray([-1, 30, -1, 500, 7], jnp.int32), jnp.asarray([0.9, 0.5, 0.999, 1.0, 0.3], jnp.float32)
-    thresholds = jax.jit(functools.partial(filter_threshold, impl="pallas", interpret=True, chunk=64, segment=256))
+    logits = jnp.asarray(rng.normal(size=(ROWS, VOCAB)) * 2, jnp.float32)
+    top_k, top_p = jnp.asarray([-1, 30, 250, 7], jnp.int32), jnp.asarray([0.9, 0.5, 0.999, 0.3], jnp.float32)
+    thresholds = jax.jit(functools.partial(filter_threshold, **PALLAS))
     together = np.asarray(thresholds(logits, top_k, top_p))
-    for row in range(5):
+    for row in range(ROWS):
         alone = thresholds(logits[row:row + 1], top_k[row:row + 1], top_p[row:row + 1])
         assert int(alone[0]) == together[row], f"row {row}"
 
@@ -142,11 +147,11 @@ def test_more_logits_than_int32_offsets_reach_run_as_blocks_of_rows(monkeypatch)
     """Rows past the kernels' int32 offsets run in further calls, each row's threshold as in one call; the sort
     (off the GPU) has no such limit. A batch of 16384 windows' rows lowers for either."""
     rng = np.random.default_rng(12)
-    logits = jnp.asarray(rng.normal(size=(7, 300)) * 2, jnp.float32)
-    top_k, top_p = jnp.asarray([-1, 5, 40, -1, 3, -1, 90], jnp.int32), jnp.full((7,), 0.8, jnp.float32)
-    thresholds = functools.partial(filter_threshold, impl="pallas", interpret=True, chunk=64, segment=128)
+    logits = jnp.asarray(rng.normal(size=(ROWS, VOCAB)) * 2, jnp.float32)
+    top_k, top_p = jnp.asarray([-1, 5, 40, 3], jnp.int32), jnp.asarray([0.8, 0.8, 0.5, 1.0], jnp.float32)
+    thresholds = functools.partial(filter_threshold, **PALLAS)
     whole = np.asarray(jax.jit(thresholds)(logits, top_k, top_p))
-    monkeypatch.setattr(top_k_top_p, "_OFFSET_LIMIT", 3 * 300 + 128)  # 3 rows per call: blocks of 3, 3 and 1
+    monkeypatch.setattr(top_k_top_p, "_OFFSET_LIMIT", 3 * VOCAB + 128)  # 3 rows per call: blocks of 3 and 1
     np.testing.assert_array_equal(np.asarray(jax.jit(thresholds)(logits, top_k, top_p)), whole)
     monkeypatch.undo()
 
@@ -164,9 +169,9 @@ def test_more_logits_than_int32_offsets_reach_run_as_blocks_of_rows(monkeypatch)
 @pytest.mark.parametrize("impl", ["reference", "pallas"])
 def test_a_row_holding_inf_keeps_its_inf_logits_under_top_p(impl):
     """A temperature near 0 can scale a logit to +inf: its softmax is NaN, and the row keeps its +inf logits."""
-    row = np.random.default_rng(2).normal(size=(1, 300)).astype(np.float32)
+    row = np.random.default_rng(2).normal(size=(1, VOCAB)).astype(np.float32)
     row[0, [17, 200]] = np.inf
-    kwargs = dict(impl=impl) if impl == "reference" else dict(impl=impl, interpret=True, chunk=64, segment=128)
+    kwargs = dict(impl=impl) if impl == "reference" else PALLAS
     kept = _kept(jax.jit(functools.partial(filter_threshold, **kwargs)), row, [-1], [0.5])
     np.testing.assert_array_equal(np.flatnonzero(kept[0]), [17, 200])
 
