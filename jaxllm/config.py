@@ -6,9 +6,10 @@ construction with an error that names the field.
 """
 
 import dataclasses
+import pathlib
+import typing
 from typing import Literal
 
-import jax.numpy as jnp
 
 
 class ConfigError(ValueError):
@@ -179,7 +180,9 @@ class DecodingConfig:
             raise ConfigError(f"max_post_steps must be >= 0, got {self.max_post_steps}")
 
 
-DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float32": jnp.float32, "f32": jnp.float32}
+# option spelling -> dtype name (jnp.dtype(name) is the array dtype); names, so the command line validates options
+# without importing JAX
+DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "f32": "float32"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,3 +225,30 @@ class EngineConfig:
             raise ConfigError(f"max_queue_time must be > 0 seconds, got {self.max_queue_time}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization}")
+
+
+DEFAULT_MODEL_DIR = pathlib.Path(__file__).parent / "default_model"  # the embedded model `LLM()` loads
+
+_ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
+_DECODING_FIELDS = {f.name for f in dataclasses.fields(DecodingConfig)}
+
+
+def split_options(options: dict[str, typing.Any]) -> tuple[EngineConfig, DecodingConfig]:
+    """Route keyword options to EngineConfig or DecodingConfig; an unknown option is an error.
+
+    decoding_preset ("quality" or "speed") starts from LLaDA2.1's joint_threshold settings; explicit decoding
+    options override them."""
+    options = dict(options)
+    if "decoding_strategy" in options:
+        options["strategy"] = options.pop("decoding_strategy")
+    preset = options.pop("decoding_preset", None)
+    unknown = set(options) - _ENGINE_FIELDS - _DECODING_FIELDS
+    if unknown:
+        raise TypeError(f"unknown options {sorted(unknown)}")
+    engine = EngineConfig(**{k: v for k, v in options.items() if k in _ENGINE_FIELDS})
+    decoding_options = {k: v for k, v in options.items() if k in _DECODING_FIELDS}
+    if preset is None:
+        return engine, DecodingConfig(**decoding_options)
+    if decoding_options.pop("strategy", "joint_threshold") != "joint_threshold":
+        raise ConfigError(f"decoding_preset={preset!r} is a joint_threshold preset; it takes no other strategy")
+    return engine, DecodingConfig.joint_threshold_preset(preset, **decoding_options)

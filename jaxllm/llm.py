@@ -2,13 +2,10 @@
 
 import dataclasses
 import pathlib
-import typing
 
-from jaxllm.config import ConfigError, DecodingConfig, EngineConfig
+from jaxllm.config import DEFAULT_MODEL_DIR, ConfigError, split_options
 from jaxllm.engine.engine import LLMEngine
 from jaxllm.sampling import SamplingParams
-
-DEFAULT_MODEL_DIR = pathlib.Path(__file__).parent / "default_model"
 
 
 @dataclasses.dataclass
@@ -26,31 +23,6 @@ class GenerationOutput:
     @property
     def tokens_per_forward(self) -> float | None:
         return self.stats["tokens_per_forward"]
-
-
-_ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
-_DECODING_FIELDS = {f.name for f in dataclasses.fields(DecodingConfig)}
-
-
-def split_options(options: dict[str, typing.Any]) -> tuple[EngineConfig, DecodingConfig]:
-    """Route keyword options to EngineConfig or DecodingConfig; an unknown option is an error.
-
-    decoding_preset ("quality" or "speed") starts from LLaDA2.1's joint_threshold settings; explicit decoding
-    options override them."""
-    options = dict(options)
-    if "decoding_strategy" in options:
-        options["strategy"] = options.pop("decoding_strategy")
-    preset = options.pop("decoding_preset", None)
-    unknown = set(options) - _ENGINE_FIELDS - _DECODING_FIELDS
-    if unknown:
-        raise TypeError(f"unknown options {sorted(unknown)}")
-    engine = EngineConfig(**{k: v for k, v in options.items() if k in _ENGINE_FIELDS})
-    decoding_options = {k: v for k, v in options.items() if k in _DECODING_FIELDS}
-    if preset is None:
-        return engine, DecodingConfig(**decoding_options)
-    if decoding_options.pop("strategy", "joint_threshold") != "joint_threshold":
-        raise ConfigError(f"decoding_preset={preset!r} is a joint_threshold preset; it takes no other strategy")
-    return engine, DecodingConfig.joint_threshold_preset(preset, **decoding_options)
 
 
 class LLM:

@@ -17,14 +17,14 @@ from sanic.exceptions import SanicException
 
 from jaxllm.engine.engine import LLMEngine
 from jaxllm.server.engine_loop import EngineLoop, not_ready_error
-from jaxllm.server.generation import DEFAULT_SSE_KEEPALIVE_S, ServingState, handle_generation
+from jaxllm.server import DEFAULT_RESPONSE_TIMEOUT_S, DEFAULT_SSE_KEEPALIVE_S
+from jaxllm.server.generation import ServingState, handle_generation
 from jaxllm.server.metrics import ServerMetrics
 from jaxllm.server.protocol import APIError, SamplingDefaults, internal_error
 
 logger = logging.getLogger("jaxllm.server")
 
 APP_NAME = "jaxllm"
-DEFAULT_RESPONSE_TIMEOUT_S = 3600.0  # a non-streamed answer writes nothing until it is done
 
 
 def create_app(build_engine: Callable[[], LLMEngine], *, model_name: str,

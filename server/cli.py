@@ -12,14 +12,9 @@ import os
 import pathlib
 import sys
 
-from sanic import Sanic
-
-from jaxllm.config import ConfigError
-from jaxllm.engine.engine import LLMEngine
-from jaxllm.llm import DEFAULT_MODEL_DIR, split_options
-from jaxllm.server.app import DEFAULT_RESPONSE_TIMEOUT_S, create_app
-from jaxllm.server.generation import DEFAULT_SSE_KEEPALIVE_S
-from jaxllm.server.protocol import SamplingDefaults
+# only light modules here: flags and options are checked before JAX, transformers and Sanic load (seconds), in serve
+from jaxllm.config import DEFAULT_MODEL_DIR, ConfigError, split_options
+from jaxllm.server import DEFAULT_RESPONSE_TIMEOUT_S, DEFAULT_SSE_KEEPALIVE_S
 
 logger = logging.getLogger("jaxllm.server")
 
@@ -94,6 +89,10 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         engine_config, decoding_config = split_options(engine_options(args))
     except (ConfigError, TypeError) as error:
         parser.error(str(error))
+    from jaxllm.engine.engine import LLMEngine
+    from jaxllm.server.app import create_app
+    from jaxllm.server.protocol import SamplingDefaults
+
     app = create_app(lambda: LLMEngine(model_dir, engine_config, decoding_config),
                      model_name=args.served_model_name or args.model or DEFAULT_MODEL_NAME,
                      sampling_defaults=SamplingDefaults.from_model_dir(model_dir), api_key=args.api_key,
@@ -102,8 +101,8 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return run(app, args.host, args.port)
 
 
-def run(app: Sanic, host: str, port: int) -> int:
-    """Serve until stopped; the exit status: 1 if the engine failed, so that a supervisor restarts the server."""
+def run(app, host: str, port: int) -> int:
+    """Serve the Sanic app until stopped; the exit status: 1 if the engine failed, so that a supervisor restarts the server."""
     app.run(host=host, port=port, single_process=True, access_log=False, backlog=LISTEN_BACKLOG, motd=False)
     return 1 if app.ctx.serving.engine_loop.failure is not None else 0
 

@@ -18,6 +18,7 @@ from sanic import Request, response
 
 from jaxllm.engine.engine import LLMEngine
 from jaxllm.engine.request import RequestOutput
+from jaxllm.server import DEFAULT_SSE_KEEPALIVE_S
 from jaxllm.server.engine_loop import EngineLoop, Submission
 from jaxllm.server.protocol import (
     APIError,
@@ -33,7 +34,6 @@ from jaxllm.server.responses import ResponseHeader, chunk, full_response, reques
 
 logger = logging.getLogger("jaxllm.server")
 
-DEFAULT_SSE_KEEPALIVE_S = 5.0
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 

@@ -164,7 +164,7 @@ def test_llada21_presets_set_the_published_thresholds():
 
 
 def test_a_preset_is_an_option_that_explicit_settings_override():
-    from jaxllm.llm import split_options
+    from jaxllm.config import split_options
 
     _, speed = split_options(dict(decoding_preset="speed"))
     assert (speed.strategy, speed.threshold, speed.editing_threshold) == ("joint_threshold", 0.5, 0.0)

@@ -190,7 +190,7 @@ class LLMEngine:
         while True:
             shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, self.page_size, cfg.head_dim)
             try:
-                return KVCache.zeros(shape, DTYPES[self.config.dtype])
+                return KVCache.zeros(shape, jnp.dtype(DTYPES[self.config.dtype]))
             except jax.errors.JaxRuntimeError as error:
                 if "RESOURCE_EXHAUSTED" not in str(error):
                     raise

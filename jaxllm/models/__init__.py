@@ -3,6 +3,7 @@
 import functools
 import pathlib
 
+import jax.numpy as jnp
 from flax import nnx
 
 from jaxllm.config import DTYPES, ConfigError, ModelConfig
@@ -30,7 +31,7 @@ def model_config(model_dir: pathlib.Path) -> ModelConfig:
 
 def abstract_model(cfg: ModelConfig, dtype: str) -> nnx.Module:
     _, model_class = _architecture(cfg.model_type)
-    return nnx.eval_shape(lambda: model_class(cfg, dtype=DTYPES[dtype], rngs=nnx.Rngs(0)))
+    return nnx.eval_shape(lambda: model_class(cfg, dtype=jnp.dtype(DTYPES[dtype]), rngs=nnx.Rngs(0)))
 
 
 def load_model(model_dir: pathlib.Path, cfg: ModelConfig, dtype: str, *, random_init: bool = False,

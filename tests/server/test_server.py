@@ -667,6 +667,22 @@ def test_serve_rejects_bad_flags_before_loading_anything(server, capsys):
     assert "decoding_strategy" in capsys.readouterr().err
 
 
+def test_serve_checks_its_flags_before_importing_jax_or_the_server():
+    """A mistyped flag is answered at once: before the checks pass, nothing heavy (JAX, transformers, torch, Sanic:
+    ~8 s together) is imported."""
+    probe = ("import sys\nfrom jaxllm.server import cli\ntry:\n    cli.main(sys.argv[1:])\nexcept SystemExit as exit:\n"
+             "    heavy = [m for m in ('jax', 'transformers', 'torch', 'sanic') if m in sys.modules]\n"
+             "    print('exit', exit.code, 'imported', heavy)\n")
+    for flags, code, message in ((["--max-num-seqs", "x"], 2, "invalid int value"),
+                                 (["--decoding-strategy", "nope"], 2, "decoding_strategy must be one of"),
+                                 (["--dtype", "float16"], 2, "dtype must be one of"),
+                                 (["--help"], 0, "--max-num-seqs")):
+        finished = subprocess.run([sys.executable, "-c", probe, "serve", *flags], capture_output=True, text=True,
+                                  timeout=60, cwd=REPO, check=False)
+        assert finished.stdout.splitlines()[-1] == f"exit {code} imported []", finished.stdout + finished.stderr
+        assert message in finished.stdout + finished.stderr
+
+
 def test_serve_exits_with_an_error_when_the_model_cannot_load(server, tmp_path):
     for tokenizer_file in server.checkpoint.glob("tokenizer*.json"):
         shutil.copy(tokenizer_file, tmp_path)  # a tokenizer but no config.json or weights
