@@ -7,9 +7,7 @@ construction with an error that names the field.
 
 import dataclasses
 import pathlib
-import typing
-from typing import Literal
-
+from typing import Any, Literal
 
 
 class ConfigError(ValueError):
@@ -233,7 +231,7 @@ _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
 _DECODING_FIELDS = {f.name for f in dataclasses.fields(DecodingConfig)}
 
 
-def split_options(options: dict[str, typing.Any]) -> tuple[EngineConfig, DecodingConfig]:
+def split_options(options: dict[str, Any]) -> tuple[EngineConfig, DecodingConfig]:
     """Route keyword options to EngineConfig or DecodingConfig; an unknown option is an error.
 
     decoding_preset ("quality" or "speed") starts from LLaDA2.1's joint_threshold settings; explicit decoding

@@ -11,10 +11,14 @@ import logging
 import os
 import pathlib
 import sys
+import typing
 
 # only light modules here: flags and options are checked before JAX, transformers and Sanic load (seconds), in serve
 from jaxllm.config import DEFAULT_MODEL_DIR, ConfigError, split_options
 from jaxllm.server import DEFAULT_RESPONSE_TIMEOUT_S, DEFAULT_SSE_KEEPALIVE_S
+
+if typing.TYPE_CHECKING:
+    from sanic import Sanic
 
 logger = logging.getLogger("jaxllm.server")
 
@@ -101,8 +105,8 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return run(app, args.host, args.port)
 
 
-def run(app, host: str, port: int) -> int:
-    """Serve the Sanic app until stopped; the exit status: 1 if the engine failed, so that a supervisor restarts the server."""
+def run(app: "Sanic", host: str, port: int) -> int:
+    """Serve until stopped; the exit status: 1 if the engine failed, so that a supervisor restarts the server."""
     app.run(host=host, port=port, single_process=True, access_log=False, backlog=LISTEN_BACKLOG, motd=False)
     return 1 if app.ctx.serving.engine_loop.failure is not None else 0
 
