@@ -44,11 +44,22 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
-        ids = [self.engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts: give one, or one per prompt")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(self.engine.add_request(prompt, p))
+        except Exception:  # a refused prompt leaves none of this call's requests behind
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
+            raise
         finished = {}
         while len(finished) < len(ids):
             for output in self.engine.step():
-                if output.finished:
+                if output.finished and output.request_id in ids:
                     finished[output.request_id] = output
         return [GenerationOutput(finished[i].prompt_token_ids, finished[i].text, finished[i].token_ids,
                                  finished[i].finish_reason, finished[i].stats) for i in ids]

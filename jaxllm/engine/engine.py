@@ -165,6 +165,11 @@ class LLMEngine:
         if limit > self.model_config.max_position_embeddings:
             raise ConfigError(f"max_model_len {limit} exceeds the model's max_position_embeddings "
                               f"{self.model_config.max_position_embeddings}")
+        if limit < self.block_size:
+            raise ConfigError(f"max_model_len {limit} is shorter than one block ({self.block_size} tokens)")
+        if limit % self.block_size:  # a request's context grows by whole blocks
+            logger.warning("max_model_len %d rounded down to %d, a multiple of the block size %d", limit,
+                           limit // self.block_size * self.block_size, self.block_size)
         return limit // self.block_size * self.block_size
 
     def _page_bytes(self) -> int:
@@ -271,8 +276,10 @@ class LLMEngine:
         params = params or SamplingParams()
         token_ids = self.tokenize(prompt)
         self.check_fits(len(token_ids), params)
-        if len(self.scheduler.waiting) + len(self._inbox) >= self.config.max_waiting_requests:
+        if self.num_waiting >= self.config.max_waiting_requests:
             raise QueueFull(f"{self.config.max_waiting_requests} requests are already waiting")
+        if request_id is not None and (request_id in self._requests or request_id in self._pending_adds()):
+            raise ValueError(f"request id {request_id!r} is already in use")  # an abort must reach one request
         request_id = request_id or f"req-{next(self._ids)}"
         seed = params.seed if params.seed is not None else int(self._seeds.integers(0, 2**32))
         self._inbox.append(("add", Request(request_id, token_ids, params, seed)))
@@ -398,7 +405,12 @@ class LLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting) + len(self._inbox)  # the inbox holds additions and the odd abort
+        return len(self.scheduler.waiting) + len(self._pending_adds())
+
+    def _pending_adds(self) -> list[str]:
+        """Ids of the requests added but not yet taken in by a step (the inbox also holds aborts). list() copies
+        the deque in one call, so other threads' appends cannot interleave."""
+        return [item.request_id for kind, item in list(self._inbox) if kind == "add"]
 
     @property
     def num_running(self) -> int:

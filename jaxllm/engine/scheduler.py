@@ -224,11 +224,12 @@ class Scheduler:
     def _apply_token_stops(self, request: Request, new_tokens: list[int]) -> tuple[list[int], str | None]:
         params = request.params
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.cfg.eos_token_ids))
-        for i, token in enumerate(new_tokens):
-            if token in stop_ids:
-                return new_tokens[: i + 1], "stop"
         room = min(params.max_tokens, self.cfg.max_model_len - len(request.prompt_token_ids))
         room -= len(request.output_token_ids)
+        # the last block decodes past the limit: a stop token beyond it is never output
+        for i, token in enumerate(new_tokens[:room]):
+            if token in stop_ids:
+                return new_tokens[: i + 1], "stop"
         if len(new_tokens) >= room:
             return new_tokens[:room], "length"
         return new_tokens, None

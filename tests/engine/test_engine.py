@@ -281,6 +281,36 @@ def test_a_prompt_over_the_context_is_rejected_with_the_openai_message(llm):
         llm.generate([[5] * 60], SamplingParams(max_tokens=8))
 
 
+def test_a_refused_prompt_leaves_none_of_its_call_behind(llm):
+    """generate() adds its prompts one by one: when a later one is refused, the earlier ones are aborted, and the
+    next call returns its own outputs only."""
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    with pytest.raises(ValueError, match="maximum context length"):
+        llm.generate([PROMPTS[0], [5] * 60], params)
+    assert not llm.engine.has_unfinished_requests() and llm.engine.kv_cache_usage == 0.0
+    outputs = llm.generate([PROMPTS[1]], params)
+    assert [len(o.token_ids) for o in outputs] == [6]
+    with pytest.raises(ValueError, match="2 sampling params for 3 prompts"):
+        llm.generate(PROMPTS[:3], [params, params])
+
+
+def test_a_request_id_in_use_is_refused_and_aborts_count_as_no_waiting_request(llm):
+    engine = llm.engine
+    engine.add_request(PROMPTS[0], SamplingParams(max_tokens=8, ignore_eos=True), request_id="mine")
+    with pytest.raises(ValueError, match="'mine' is already in use"):
+        engine.add_request(PROMPTS[1], SamplingParams(max_tokens=8), request_id="mine")
+    engine.step()
+    engine.abort_request("mine")
+    assert engine.num_waiting == 0  # the pending abort is no request waiting for admission
+    assert [(o.request_id, o.finish_reason) for o in engine.step() if o.finished] == [("mine", "abort")]
+    assert engine.kv_cache_usage == 0.0
+
+
+def test_a_context_shorter_than_a_block_is_a_config_error(checkpoint):
+    with pytest.raises(ConfigError, match="max_model_len 3 is shorter than one block"):
+        LLM(checkpoint, **{**OPTIONS, "max_model_len": 3})
+
+
 @pytest.mark.parametrize("options", [
     dict(decoding_strategy="joint_threshold", threshold=0.5, editing_threshold=0.0, max_post_steps=4),
     dict(decoding_strategy="threshold", threshold=0.6, buffer_size=3, add_block_threshold=0.2,

@@ -81,6 +81,21 @@ def test_eos_finishes_and_frees_pages():
     assert not scheduler.running
 
 
+def test_a_stop_token_past_max_tokens_is_not_output():
+    """The last block decodes beyond max_tokens; an EOS or stop token there ends nothing: the output stops at the
+    limit, with "length"."""
+    scheduler = make_scheduler()
+    eos, stop = request("eos", [10, 11, 12, 13], max_tokens=2), request("stop", [20, 21], max_tokens=5,
+                                                                          stop_token_ids=[9])
+    scheduler.add(eos), scheduler.add(stop)
+    batch = finish_prefill(scheduler)
+    complete_front_block(scheduler, batch, {"eos": [5, 6, EOS, 8], "stop": [1, 2]})
+    batch = finish_prefill(scheduler)
+    complete_front_block(scheduler, batch, {"stop": [3, 4, 5, 9]})
+    assert (eos.finish_reason, eos.output_token_ids) == ("length", [5, 6])
+    assert (stop.finish_reason, stop.output_token_ids) == ("length", [1, 2, 3, 4, 5])
+
+
 def test_ignore_eos_runs_to_max_tokens():
     scheduler = make_scheduler()
     r = request("a", [10, 11, 12, 13], max_tokens=6, ignore_eos=True)
