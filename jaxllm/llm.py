@@ -56,10 +56,10 @@ class LLM:
             while self.engine.has_unfinished_requests():
                 self.engine.step()
             raise
-        finished = {}
+        finished, own = {}, set(ids)
         while len(finished) < len(ids):
             for output in self.engine.step():
-                if output.finished and output.request_id in ids:
+                if output.finished and output.request_id in own:
                     finished[output.request_id] = output
         return [GenerationOutput(finished[i].prompt_token_ids, finished[i].text, finished[i].token_ids,
                                  finished[i].finish_reason, finished[i].stats) for i in ids]

@@ -85,9 +85,10 @@ def test_a_stop_token_past_max_tokens_is_not_output():
     """The last block decodes beyond max_tokens; an EOS or stop token there ends nothing: the output stops at the
     limit, with "length"."""
     scheduler = make_scheduler()
-    eos, stop = request("eos", [10, 11, 12, 13], max_tokens=2), request("stop", [20, 21], max_tokens=5,
-                                                                          stop_token_ids=[9])
-    scheduler.add(eos), scheduler.add(stop)
+    eos = request("eos", [10, 11, 12, 13], max_tokens=2)
+    stop = request("stop", [20, 21], max_tokens=5, stop_token_ids=[9])
+    scheduler.add(eos)
+    scheduler.add(stop)
     batch = finish_prefill(scheduler)
     complete_front_block(scheduler, batch, {"eos": [5, 6, EOS, 8], "stop": [1, 2]})
     batch = finish_prefill(scheduler)
