@@ -278,9 +278,11 @@ class LLMEngine:
         self.check_fits(len(token_ids), params)
         if self.num_waiting >= self.config.max_waiting_requests:
             raise QueueFull(f"{self.config.max_waiting_requests} requests are already waiting")
-        if request_id is not None and (request_id in self._requests or request_id in self._pending_adds()):
+        in_use = set(self._requests) | set(self._pending_adds())
+        if request_id is not None and request_id in in_use:
             raise ValueError(f"request id {request_id!r} is already in use")  # an abort must reach one request
-        request_id = request_id or f"req-{next(self._ids)}"
+        while request_id is None or request_id in in_use:  # an automatic id skips the ones callers chose
+            request_id = f"req-{next(self._ids)}"
         seed = params.seed if params.seed is not None else int(self._seeds.integers(0, 2**32))
         self._inbox.append(("add", Request(request_id, token_ids, params, seed)))
         self._wakeup.set()

@@ -306,6 +306,17 @@ def test_a_request_id_in_use_is_refused_and_aborts_count_as_no_waiting_request(l
     assert engine.kv_cache_usage == 0.0
 
 
+def test_an_automatic_request_id_skips_one_a_caller_chose(llm):
+    engine = llm.engine
+    chosen = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=8, ignore_eos=True), request_id="req-0")
+    automatic = [engine.add_request(PROMPTS[1], SamplingParams(max_tokens=8, ignore_eos=True)) for _ in range(2)]
+    assert chosen not in automatic and len(set(automatic)) == 2
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished |= {o.request_id: len(o.token_ids) for o in engine.step() if o.finished}
+    assert finished == {chosen: 8, automatic[0]: 8, automatic[1]: 8}
+
+
 def test_a_context_shorter_than_a_block_is_a_config_error(checkpoint):
     with pytest.raises(ConfigError, match="max_model_len 3 is shorter than one block"):
         LLM(checkpoint, **{**OPTIONS, "max_model_len": 3})
