@@ -46,20 +46,27 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts: give one, or one per prompt")
-        ids = []
+        ids, own, finished = [], set(), {}
+
+        def step():
+            for output in self.engine.step():
+                if output.finished and output.request_id in own:
+                    finished[output.request_id] = output
+
         try:
             for prompt, p in zip(prompts, params):
+                # the waiting queue's limit protects a server; an offline call steps until its next prompt fits
+                while self.engine.num_waiting >= self.engine.config.max_waiting_requests:
+                    step()
                 ids.append(self.engine.add_request(prompt, p))
+                own.add(ids[-1])
         except Exception:  # a refused prompt leaves none of this call's requests behind
             for request_id in ids:
                 self.engine.abort_request(request_id)
             while self.engine.has_unfinished_requests():
                 self.engine.step()
             raise
-        finished, own = {}, set(ids)
         while len(finished) < len(ids):
-            for output in self.engine.step():
-                if output.finished and output.request_id in own:
-                    finished[output.request_id] = output
+            step()
         return [GenerationOutput(finished[i].prompt_token_ids, finished[i].text, finished[i].token_ids,
                                  finished[i].finish_reason, finished[i].stats) for i in ids]

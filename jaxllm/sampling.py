@@ -47,6 +47,8 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if self.seed is not None and not 0 <= self.seed < 2**32:
             raise ValueError(f"seed must lie in [0, 2**32), got {self.seed}")
+        if self.temperature == 0.0:  # greedy ignores the filters: same argmax, and the plain softmax's confidence
+            self.top_k, self.top_p = -1, 1.0
 
 
 def _masked(logits, allowed):

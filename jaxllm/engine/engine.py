@@ -275,6 +275,10 @@ class LLMEngine:
                     request_id: str | None = None) -> str:
         params = params or SamplingParams()
         token_ids = self.tokenize(prompt)
+        vocab_size = self.model_config.vocab_size
+        if any(not 0 <= t < vocab_size for t in token_ids):
+            # an id past the embedding reads garbage (NaN confidences on the GPU: a window that never completes)
+            raise ValueError(f"the prompt holds token ids outside the vocabulary [0, {vocab_size})")
         self.check_fits(len(token_ids), params)
         if self.num_waiting >= self.config.max_waiting_requests:
             raise QueueFull(f"{self.config.max_waiting_requests} requests are already waiting")

@@ -317,6 +317,35 @@ def test_an_automatic_request_id_skips_one_a_caller_chose(llm):
     assert finished == {chosen: 8, automatic[0]: 8, automatic[1]: 8}
 
 
+def test_a_prompt_id_outside_the_vocabulary_is_refused(llm):
+    vocab_size = llm.engine.model_config.vocab_size
+    for bad in (vocab_size, -1):
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            llm.engine.add_request([5, bad, 7], SamplingParams(max_tokens=4))
+    assert not llm.engine.has_unfinished_requests()
+    assert [len(o.token_ids) for o in llm.generate([[5, vocab_size - 1]], SamplingParams(max_tokens=4,
+                                                                                         ignore_eos=True))] == [4]
+
+
+def test_generate_takes_more_prompts_than_the_waiting_queue_holds(checkpoint):
+    llm = LLM(checkpoint, **OPTIONS, max_waiting_requests=2)
+    outputs = llm.generate(PROMPTS + PROMPTS[:2], SamplingParams(max_tokens=5, ignore_eos=True))
+    assert [o.prompt_token_ids for o in outputs] == PROMPTS + PROMPTS[:2]
+    assert [len(o.token_ids) for o in outputs] == [5] * 6
+    assert llm.engine.kv_cache_usage == 0.0
+
+
+def test_greedy_decoding_ignores_top_k_and_top_p(checkpoint):
+    """A greedy request's confidences are the plain softmax's whatever filter it names, so its threshold decisions
+    and tokens are the unfiltered request's (renormalised over kept tokens, top_p 0.5 put confidences at 1)."""
+    assert (SamplingParams(top_k=3, top_p=0.5).top_k, SamplingParams(top_k=3, top_p=0.5).top_p) == (-1, 1.0)
+    llm = LLM(checkpoint, **OPTIONS, decoding_strategy="threshold", threshold=0.9)
+    plain, filtered = (llm.generate(PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True, **extra))
+                       for extra in ({}, dict(top_k=3, top_p=0.5)))
+    assert [o.token_ids for o in filtered] == [o.token_ids for o in plain]
+    assert [o.stats["forward_passes"] for o in filtered] == [o.stats["forward_passes"] for o in plain]
+
+
 def test_a_context_shorter_than_a_block_is_a_config_error(checkpoint):
     with pytest.raises(ConfigError, match="max_model_len 3 is shorter than one block"):
         LLM(checkpoint, **{**OPTIONS, "max_model_len": 3})
