@@ -57,6 +57,8 @@ class SamplingDefaults:
         path = pathlib.Path(model_dir) / "generation_config.json"
         config = json.loads(path.read_text()) if path.exists() else {}
         known = {f.name: config[f.name] for f in dataclasses.fields(cls) if config.get(f.name) is not None}
+        if known.get("top_k", -1) <= 0:  # Hugging Face's top_k 0 means no top-k filter: the API's -1
+            known.pop("top_k", None)
         return cls(**known)
 
 
@@ -275,6 +277,8 @@ def _read_message(message, index: int) -> dict:
         return {**message, "content": ""}
     if not (isinstance(content, str) or (isinstance(content, list) and all(map(is_text_part, content)))):
         raise invalid(f"{param}.content", f"{param}.content must be a string or a list of text parts")
+    if isinstance(content, list):  # joined, as chat templates that test for a string content expect
+        return {**message, "content": "".join(part["text"] for part in content)}
     return message
 
 

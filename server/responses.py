@@ -39,20 +39,24 @@ def usage(prompt_lens: list[int], finals: list[RequestOutput]) -> dict:
     completion_tokens = sum(len(o.token_ids) for o in finals)
     body = {"prompt_tokens": sum(prompt_lens), "completion_tokens": completion_tokens,
             "total_tokens": sum(prompt_lens) + completion_tokens}
-    # choice i samples prompt i // n: a prompt's cached tokens are those every one of its choices found cached
-    n = len(finals) // len(prompt_lens)
-    cached_tokens = sum(min(o.stats.get("cached_tokens") or 0 for o in finals[p * n:(p + 1) * n])
-                        for p in range(len(prompt_lens)))
+    cached_tokens = _cached_tokens(finals, len(prompt_lens))
     if cached_tokens:
         body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
     return body
+
+
+def _cached_tokens(finals: list[RequestOutput], num_prompts: int) -> int:
+    """Prompt tokens read from the prefix cache, each prompt counted once: choice i samples prompt i // n, and a
+    prompt's cached tokens are those every one of its choices found cached."""
+    n = len(finals) // num_prompts
+    return sum(min(o.stats.get("cached_tokens") or 0 for o in finals[p * n:(p + 1) * n]) for p in range(num_prompts))
 
 
 def _present(values):
     return [v for v in values if v is not None]
 
 
-def request_metrics(finals: list[RequestOutput]) -> dict:
+def request_metrics(finals: list[RequestOutput], num_prompts: int = 1) -> dict:
     stats = [o.stats for o in finals]
     forward_passes = sum(s["forward_passes"] for s in stats)
     completion_tokens = sum(len(o.token_ids) for o in finals)
@@ -67,7 +71,7 @@ def request_metrics(finals: list[RequestOutput]) -> dict:
         "time_to_first_token_ms": ttft,
         "decode_time_ms": round(e2e - ttft, 3) if ttft is not None and e2e is not None else None,
         "e2e_latency_ms": e2e,
-        "cached_tokens": sum(s["cached_tokens"] for s in stats),
+        "cached_tokens": _cached_tokens(finals, num_prompts),  # as usage counts them
         "preemptions": sum(s["preemptions"] for s in stats),
     }
 
@@ -84,7 +88,7 @@ def full_response(header: ResponseHeader, prompt_lens: list[int], finals: list[R
     chat = header.object == "chat.completion"
     choices = [_choice(chat, i, o.text, o.finish_reason) for i, o in enumerate(finals)]
     return {**header.as_dict(), "choices": choices, "usage": usage(prompt_lens, finals),
-            "metrics": request_metrics(finals)}
+            "metrics": request_metrics(finals, len(prompt_lens))}
 
 
 def chunk(header: ResponseHeader, index: int, text: str | None, finish_reason: str | None = None,
@@ -100,7 +104,7 @@ def chunk(header: ResponseHeader, index: int, text: str | None, finish_reason: s
 
 def usage_chunk(header: ResponseHeader, prompt_lens: list[int], finals: list[RequestOutput]) -> dict:
     return {**header.as_dict(), "choices": [], "usage": usage(prompt_lens, finals),
-            "metrics": request_metrics(finals)}
+            "metrics": request_metrics(finals, len(prompt_lens))}
 
 
 def sse_event(body: dict | str) -> str:

@@ -19,6 +19,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from jaxllm.server import cli
+from jaxllm.server.protocol import SamplingDefaults, parse_chat_request, parse_completion_request
 from tests.server import fake_engine_server
 
 API_KEY = "sk-test-key"
@@ -528,6 +529,31 @@ def test_cached_tokens_count_each_prompt_once_with_several_choices(client):
         usage = client.chat.completions.create(model=MODEL, messages=messages, n=3, max_tokens=4, temperature=1.0,
                                                seed=2).usage
     assert 0 < usage.prompt_tokens_details.cached_tokens <= usage.prompt_tokens
+
+
+def test_the_metrics_count_cached_tokens_as_usage_does(http):
+    body = {"model": MODEL, "n": 3, "max_tokens": 4, "temperature": 1.0, "seed": 2,
+            "messages": [{"role": "user", "content": "Count the cached tokens of this prompt once, not thrice."}]}
+    for _ in range(2):
+        response = http.post("/v1/chat/completions", json=body).json()
+    assert response["metrics"]["cached_tokens"] == response["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_a_generation_config_top_k_of_0_means_no_filter(tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_k": 0, "temperature": 0.6}))
+    defaults = SamplingDefaults.from_model_dir(tmp_path)
+    assert (defaults.top_k, defaults.temperature) == (-1, 0.6)
+    request = parse_completion_request({"model": MODEL, "prompt": "hi"}, MODEL, defaults, 100)
+    assert request.sampling_params(0, 4).top_k == -1  # a request leaving top_k out is served, unfiltered
+
+
+def test_chat_text_parts_reach_the_template_as_one_string():
+    """Templates that test `message.content is string` dropped a list of parts, and ones that add it to a string
+    failed."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "Tell me "},
+                                                                      {"type": "text", "text": "more."}]}]}
+    request = parse_chat_request(body, MODEL, SamplingDefaults(), 100)
+    assert request.messages == [{"role": "user", "content": "Tell me more."}]
 
 
 # failures, on the stand-in engine
