@@ -337,8 +337,9 @@ def test_generate_takes_more_prompts_than_the_waiting_queue_holds(checkpoint):
 
 def test_greedy_decoding_ignores_top_k_and_top_p(checkpoint):
     """A greedy request's confidences are the plain softmax's whatever filter it names, so its threshold decisions
-    and tokens are the unfiltered request's (renormalised over kept tokens, top_p 0.5 put confidences at 1)."""
-    assert (SamplingParams(top_k=3, top_p=0.5).top_k, SamplingParams(top_k=3, top_p=0.5).top_p) == (-1, 1.0)
+    and tokens are the unfiltered request's (renormalised over the kept tokens they rose)."""
+    filtered_greedy = SamplingParams(top_k=3, top_p=0.5)
+    assert (filtered_greedy.top_k, filtered_greedy.top_p) == (-1, 1.0)
     llm = LLM(checkpoint, **OPTIONS, decoding_strategy="threshold", threshold=0.9)
     plain, filtered = (llm.generate(PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True, **extra))
                        for extra in ({}, dict(top_k=3, top_p=0.5)))
