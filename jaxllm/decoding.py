@@ -81,7 +81,9 @@ def _window_masks(state: WindowState, cfg: DecodingConfig, block_size: int, mask
     tokens, fixed = _per_block(state.tokens, block_size), _per_block(state.fixed, block_size)
     active = jnp.arange(tokens.shape[1])[None, :] < state.num_active_blocks[:, None]  # [B, N]
     is_mask = (tokens == mask_token_id) & ~fixed  # a prompt may hold the mask id itself: it stays as given
-    editing_on = active & (state.post_steps < cfg.max_post_steps) if cfg.strategy == "joint_threshold" else None
+    # max_post_steps caps only the mask-free steps: while a block still has masks, T2T edits it regardless
+    editing_on = (active & ((state.post_steps < cfg.max_post_steps) | is_mask.any(axis=-1))
+                  if cfg.strategy == "joint_threshold" else None)
     return tokens, fixed, is_mask, is_mask & active[..., None], active, editing_on
 
 

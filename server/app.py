@@ -17,7 +17,7 @@ from sanic.exceptions import SanicException
 
 from jaxllm.engine.engine import LLMEngine
 from jaxllm.server.engine_loop import EngineLoop, not_ready_error
-from jaxllm.server import DEFAULT_RESPONSE_TIMEOUT_S, DEFAULT_SSE_KEEPALIVE_S
+from jaxllm.server import DEFAULT_RESPONSE_TIMEOUT_S, DEFAULT_SSE_KEEPALIVE_S, check_sse_keepalive
 from jaxllm.server.generation import ServingState, handle_generation
 from jaxllm.server.metrics import ServerMetrics
 from jaxllm.server.protocol import APIError, SamplingDefaults, internal_error
@@ -32,6 +32,7 @@ def create_app(build_engine: Callable[[], LLMEngine], *, model_name: str,
                response_timeout: float = DEFAULT_RESPONSE_TIMEOUT_S,
                sse_keepalive_s: float = DEFAULT_SSE_KEEPALIVE_S) -> Sanic:
     """The app; build_engine runs in the engine thread once the server listens."""
+    check_sse_keepalive(sse_keepalive_s)
     app = Sanic(APP_NAME, configure_logging=False)  # its records go to the root logger the CLI configures
     app.config.RESPONSE_TIMEOUT = response_timeout
     metrics = ServerMetrics(lambda: engine_loop.engine)

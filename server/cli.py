@@ -15,7 +15,7 @@ import typing
 
 # only light modules here: flags and options are checked before JAX, transformers and Sanic load (seconds), in serve
 from jaxllm.config import DEFAULT_MODEL_DIR, ConfigError, split_options
-from jaxllm.server import DEFAULT_RESPONSE_TIMEOUT_S, DEFAULT_SSE_KEEPALIVE_S
+from jaxllm.server import DEFAULT_RESPONSE_TIMEOUT_S, DEFAULT_SSE_KEEPALIVE_S, check_sse_keepalive
 
 if typing.TYPE_CHECKING:
     from sanic import Sanic
@@ -57,6 +57,13 @@ ENGINE_FLAGS = [
 ]
 
 
+def _sse_keepalive(text: str) -> float:
+    try:
+        return check_sse_keepalive(float(text))
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxllm", description="jaxllm: a JAX serving engine for diffusion LLMs")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -71,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--response-timeout", type=float, default=DEFAULT_RESPONSE_TIMEOUT_S,
                        help="seconds a non-streamed request may generate before it is cut")
-    serve.add_argument("--sse-keepalive-interval", type=float, default=DEFAULT_SSE_KEEPALIVE_S,
+    serve.add_argument("--sse-keepalive-interval", type=_sse_keepalive, default=DEFAULT_SSE_KEEPALIVE_S,
                        help="seconds of silence (queued, prefilling) after which a stream gets a `: ping` comment")
     for flag, kind, text in ENGINE_FLAGS:
         serve.add_argument(flag, type=kind, help=text)

@@ -3,9 +3,11 @@
 A stream sends one chunk per choice per committed block (merged when the reader falls behind), exactly one chunk
 per choice with a finish_reason (it also carries that choice's `metrics`), then the usage chunk when asked, then
 `data: [DONE]`. While nothing is committed (queued, prefilling) it sends `: ping` comments, so Sanic's
-RESPONSE_TIMEOUT, which counts from the last write, never cuts it. An error after the stream has started is sent as
-an error event, and `data: [DONE]` still ends the stream. Whatever ends the handler (a finish, a client disconnect
-that cancels it, an error), `finally` closes the submission, which aborts unfinished engine requests.
+RESPONSE_TIMEOUT, which counts from the last write, never cuts it. Its first write starts the response, and a chat
+stream's role chunks go out with its first content, so a client's time to first chunk is the first token's. An error
+after submission is sent as an error event, and `data: [DONE]` still ends the stream. Whatever ends the handler (a
+finish, a client disconnect that cancels it, an error), `finally` closes the submission, which aborts unfinished
+engine requests.
 """
 
 import asyncio
@@ -71,6 +73,9 @@ def _tokenize(engine: LLMEngine, request: GenerationRequest) -> list[list[int]]:
         return [engine.apply_chat_template(request.messages)]
     except jinja2.TemplateError as error:
         raise invalid("messages", f"the chat template rejected the messages: {error}") from None
+    except ValueError as error:  # transformers': the tokenizer has no chat template
+        message = f"this model has no chat template, so it serves /v1/completions only ({error})"
+        raise invalid("messages", message) from None
 
 
 def _prepare(state: ServingState, raw_body: bytes, chat: bool) -> Job:
@@ -81,10 +86,21 @@ def _prepare(state: ServingState, raw_body: bytes, chat: bool) -> Job:
                _tokenize(engine, request))
 
 
+def _default_max_tokens(engine: LLMEngine, prompt_len: int) -> int:
+    """What is left of the context, or of the KV pool where that holds less: the engine refuses a request alone
+    that cannot fit either. Once nothing is left, 1 makes the engine's own error name the limit."""
+    pool_tokens = engine.scheduler.pages.num_pages * engine.page_size
+    return max(min(engine.max_model_len, pool_tokens) - prompt_len, 1)
+
+
 def _submit(engine_loop: EngineLoop, job: Job) -> Submission:
-    n, prompts, params = job.request.n, [], []
+    engine, n, prompts, params = engine_loop.engine, job.request.n, [], []
+    max_waiting = engine.config.max_waiting_requests
+    if job.num_choices > max_waiting:  # the engine's queue could never take them all: a 429 would repeat for ever
+        raise invalid("n", f"the request asks for {job.num_choices} choices ({len(job.prompt_ids)} prompts x n={n}), "
+                           f"more than the server queues at once ({max_waiting}, --max-waiting-requests)")
     for ids in job.prompt_ids:
-        max_tokens = job.request.max_tokens or max(engine_loop.engine.max_model_len - len(ids), 1)
+        max_tokens = job.request.max_tokens or _default_max_tokens(engine, len(ids))
         for sample in range(n):
             prompts.append(ids)
             params.append(_sampling_params(job.request, sample, max_tokens))
@@ -125,32 +141,52 @@ async def _collect(submission: Submission, num_choices: int) -> list[RequestOutp
     return [finals[i] for i in range(num_choices)]
 
 
+class _EventStream:
+    """The SSE response, started at its first write: clients time the first token from the first chunk (vLLM's
+    bench does), so nothing goes out before the engine commits something or a keep-alive is due."""
+
+    def __init__(self, request: Request, first_events: str):
+        self._request, self._response = request, None
+        self._first_events = first_events  # sent with the first event, in the same write
+
+    async def _write(self, text: str) -> None:
+        if self._response is None:
+            self._response = await self._request.respond(content_type="text/event-stream; charset=utf-8",
+                                                         headers=SSE_HEADERS)
+        await self._response.send(text)
+
+    async def ping(self) -> None:
+        await self._write(": ping\n\n")
+
+    async def send(self, body: dict | str) -> None:
+        text, self._first_events = self._first_events + sse_event(body), ""
+        await self._write(text)
+
+
 async def _stream(request: Request, job: Job, submission: Submission, keepalive_s: float) -> None:
-    stream = await request.respond(content_type="text/event-stream; charset=utf-8", headers=SSE_HEADERS)
     chat = job.header.object == "chat.completion.chunk"
-    if chat:
-        for index in range(job.num_choices):
-            await stream.send(sse_event(chunk(job.header, index, "", role="assistant")))
+    roles = [chunk(job.header, index, "", role="assistant") for index in range(job.num_choices)] if chat else []
+    stream = _EventStream(request, "".join(map(sse_event, roles)))
     finals: dict[int, RequestOutput] = {}
     try:
         while submission.unfinished:
             updates = await submission.next_updates(keepalive_s)
             if not updates:
-                await stream.send(": ping\n\n")
+                await stream.ping()
             for index, output in sorted(updates.items()):
                 if output.finished:
                     finals[index] = output
                 if output.new_text or output.finished:
-                    await stream.send(sse_event(_update_chunk(job.header, index, output, chat)))
+                    await stream.send(_update_chunk(job.header, index, output, chat))
         if job.request.include_usage:
             ordered = [finals[i] for i in range(job.num_choices)]
-            await stream.send(sse_event(usage_chunk(job.header, job.prompt_lens, ordered)))
+            await stream.send(usage_chunk(job.header, job.prompt_lens, ordered))
     except APIError as error:  # the request or the engine failed
-        await stream.send(sse_event(error.body()))
+        await stream.send(error.body())
     except Exception as error:
         logger.exception("error while streaming %s (engine requests %s)", job.header.id, submission.request_ids)
-        await stream.send(sse_event(internal_error(error).body()))
-    await stream.send(sse_event("[DONE]"))
+        await stream.send(internal_error(error).body())
+    await stream.send("[DONE]")
 
 
 def _update_chunk(header: ResponseHeader, index: int, output: RequestOutput, chat: bool) -> dict:

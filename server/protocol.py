@@ -2,8 +2,8 @@
 
 Honoured: model, prompt / messages, max_tokens (chat also max_completion_tokens), temperature, top_p, top_k, seed,
 stop, stop_token_ids, ignore_eos, n, stream, stream_options.include_usage. Fields that would change the output in a
-way jaxllm does not implement (logprobs, penalties, echo, best_of, tools, ...) are refused unless neutral; any other
-unknown field is ignored, as vLLM does.
+way jaxllm does not implement (logprobs, penalties, echo, best_of, tools, guided decoding, ...) are refused unless
+neutral; any other unknown field is ignored, as vLLM does.
 """
 
 import dataclasses
@@ -133,6 +133,15 @@ def _read_top_k(body: dict, default: int) -> int:
     return top_k
 
 
+def _check_encodable(text: str, param: str) -> str:
+    """JSON may escape a lone surrogate ("\\ud800"), which no tokenizer (nor a UTF-8 response) can take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise invalid(param, f"{param} holds a lone UTF-16 surrogate, which is not valid Unicode text") from None
+    return text
+
+
 def _read_stop(body: dict) -> list[str]:
     stop = body.get("stop")
     if stop is None:
@@ -142,7 +151,7 @@ def _read_stop(body: dict) -> list[str]:
         raise invalid("stop", "stop must be a non-empty string or a list of non-empty strings")
     if len(stop) > MAX_STOP_STRINGS:
         raise invalid("stop", f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
-    return stop
+    return [_check_encodable(s, "stop") for s in stop]
 
 
 def _read_token_ids(value, name: str, vocab_size: int, *, may_be_empty: bool = False) -> list[int]:
@@ -180,11 +189,21 @@ _NEUTRAL = {
     "logit_bias": lambda v: v is None or v == {},
     "top_logprobs": lambda v: v is None or v == 0,
     "tools": lambda v: v is None or v == [],
+    "functions": lambda v: v is None or v == [],
+    "tool_choice": lambda v: v in (None, "none", "auto"),  # "required" or a named tool: there are no tools to call
+    "function_call": lambda v: v in (None, "none", "auto"),
     "response_format": lambda v: v is None or v == {"type": "text"},
     "min_tokens": lambda v: v is None or v == 0,
+    "structured_outputs": lambda v: v is None or v == {},
+    "bad_words": lambda v: v is None or v == [],
+    "allowed_token_ids": lambda v: v is None,
+    "include_stop_str_in_output": lambda v: v is None or v is False,
+    "skip_special_tokens": lambda v: v is None or v is True,
+    "prompt_logprobs": lambda v: v is None,
 }
+_GUIDED_PREFIX = "guided_"  # vLLM's guided_json, guided_regex, guided_choice, guided_grammar, ...
 _COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
-                  "ignore_eos", "n", "stream", "stream_options", "user", "logprobs", "tool_choice", "metadata", "rid",
+                  "ignore_eos", "n", "stream", "stream_options", "user", "logprobs", "metadata", "rid",
                   *_NEUTRAL}
 
 
@@ -192,6 +211,9 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
     for name, is_neutral in _NEUTRAL.items():
         if not is_neutral(body.get(name)):
             raise invalid(name, f"{name}={body[name]!r} is not supported by this server")
+    for name, value in body.items():
+        if name.startswith(_GUIDED_PREFIX) and value is not None:
+            raise invalid(name, f"{name} (guided decoding) is not supported by this server")
     logprobs = body.get("logprobs")
     if not (logprobs is None or (chat and logprobs is False)):
         raise invalid("logprobs", "logprobs are not supported by this server")
@@ -250,6 +272,7 @@ def _read_prompts(body: dict, vocab_size: int) -> list[str | list[int]]:
         if isinstance(entry, str):
             if not entry:
                 raise invalid("prompt", "prompt must not be empty")
+            _check_encodable(entry, "prompt")
         else:
             _read_token_ids(entry, "prompt", vocab_size)
     return prompt
@@ -268,6 +291,9 @@ def _read_message(message, index: int) -> dict:
     param = f"messages[{index}]"
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise invalid(param, f"{param} must be an object with a string role")
+    for key, value in message.items():  # role, name, ...: the chat template renders them all
+        if isinstance(value, str):
+            _check_encodable(value, f"{param}.{key}")
     content = message.get("content")
 
     def is_text_part(part) -> bool:
@@ -278,7 +304,8 @@ def _read_message(message, index: int) -> dict:
     if not (isinstance(content, str) or (isinstance(content, list) and all(map(is_text_part, content)))):
         raise invalid(f"{param}.content", f"{param}.content must be a string or a list of text parts")
     if isinstance(content, list):  # joined, as chat templates that test for a string content expect
-        return {**message, "content": "".join(part["text"] for part in content)}
+        text = _check_encodable("".join(part["text"] for part in content), f"{param}.content")
+        return {**message, "content": text}
     return message
 
 

@@ -111,6 +111,13 @@ def test_editing_stops_after_max_post_steps_and_then_the_block_completes():
     assert history == [(7, False), (3, False), (3, True)]
 
 
+@pytest.mark.parametrize("max_post_steps", [0, 1])
+def test_editing_runs_while_the_block_has_masks_whatever_max_post_steps(max_post_steps):
+    cfg = DecodingConfig("joint_threshold", threshold=0.9, editing_threshold=0.5, max_post_steps=max_post_steps)
+    new, _ = step(window([7, M, M, M]), [9, 20, 21, 22], [0.99, 0.2, 0.1, 0.1], cfg)
+    assert tokens_of(new)[0] == 9
+
+
 def test_add_block_threshold_opens_the_next_block():
     tokens = [M] * 8
     for threshold, opened in ((0.5, True), (0.75, False)):

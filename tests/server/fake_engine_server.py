@@ -4,8 +4,9 @@ It starts in seconds and fails on demand, where a real engine has no known way t
 gets outputs whose stats the server cannot read (no forward_passes, which the metrics need once it finishes), one
 that holds REFUSE is refused by add_request with an unexpected exception, one that holds CRASH makes the
 engine's step raise, and one that holds EXPIRE finishes at its first step with "queue_timeout" and no token (as
-LLMEngine's requests do when they wait past max_queue_time). Any other request commits one token, "a", per step
-until max_tokens.
+LLMEngine's requests do when they wait past max_queue_time). One that holds SLOW commits nothing for SLOW_START_S (as
+behind a long queue or prefill), then runs as any other request does: it commits one token, "a", per step until
+max_tokens. Streams get a keep-alive ping after KEEPALIVE_S of silence.
 """
 
 import argparse
@@ -23,8 +24,10 @@ from jaxllm.server import cli
 from jaxllm.server.app import create_app
 
 MODEL = "fake"
-POISON, REFUSE, CRASH, EXPIRE = "poison", "refuse", "crash", "expire"
+POISON, REFUSE, CRASH, EXPIRE, SLOW = "poison", "refuse", "crash", "expire", "slow"
 STEP_S = 0.002  # a running request commits a token this often
+SLOW_START_S = 0.3
+KEEPALIVE_S = 0.05
 TOKEN = ord("a")
 
 
@@ -40,7 +43,9 @@ class FakeEngine:
     """What the server uses of LLMEngine; a token is a byte of the prompt's UTF-8."""
 
     max_model_len = 1 << 20
+    page_size = max_model_len  # one page (scheduler.pages.num_pages): the pool holds the context
     model_config = types.SimpleNamespace(vocab_size=256)
+    config = types.SimpleNamespace(max_waiting_requests=1 << 20)
     num_steps = 0
     last_step_tokens = 0
     num_forwards = 0
@@ -105,6 +110,8 @@ class FakeEngine:
                 del self._running[request_id]
                 outputs.append(self._output(request_id, request, "queue_timeout"))
                 continue
+            if SLOW in request.prompt and time.perf_counter() - request.arrival_time < SLOW_START_S:
+                continue
             request.token_ids.append(TOKEN)
             finished = len(request.token_ids) == request.max_tokens
             if finished:
@@ -127,7 +134,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     port = parser.parse_args().port
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    sys.exit(cli.run(create_app(FakeEngine, model_name=MODEL), "127.0.0.1", port))
+    sys.exit(cli.run(create_app(FakeEngine, model_name=MODEL, sse_keepalive_s=KEEPALIVE_S), "127.0.0.1", port))
 
 
 if __name__ == "__main__":

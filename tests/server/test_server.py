@@ -19,6 +19,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from jaxllm.server import cli
+from jaxllm.server.app import create_app
 from jaxllm.server.protocol import SamplingDefaults, parse_chat_request, parse_completion_request
 from tests.server import fake_engine_server
 
@@ -32,6 +33,7 @@ SERVER_FLAGS = ["--served-model-name", MODEL, "--max-num-seqs", str(MAX_NUM_SEQS
                 str(MAX_MODEL_LEN), "--block-size", "4", "--page-size", "8", "--max-num-batched-tokens", "16",
                 "--dtype", "float32", "--max-waiting-requests", "256", "--sse-keepalive-interval", "0.02",
                 "--api-key", API_KEY, "--log-level", "warning"]
+SMALL_POOL_PAGES = 4  # 32 tokens of KV pool at page size 8, fewer than MAX_MODEL_LEN
 STARTUP_TIMEOUT_S = 300
 REPO = pathlib.Path(__file__).resolve().parents[2]
 FAKE_SERVER = [sys.executable, fake_engine_server.__file__]
@@ -90,12 +92,12 @@ def _spawn(command: list[str], tmp_path_factory) -> tuple[subprocess.Popen, str,
     return process, f"http://127.0.0.1:{port}", log_path
 
 
-def _launch(checkpoint: pathlib.Path, tmp_path_factory) -> tuple[subprocess.Popen, str, pathlib.Path]:
-    """A server process on a free port: (process, url, log path)."""
+def _launch(checkpoint: pathlib.Path, tmp_path_factory, *flags: str) -> tuple[subprocess.Popen, str, pathlib.Path]:
+    """A server process on a free port, with SERVER_FLAGS and then flags: (process, url, log path)."""
     # shared by every server a test session starts, so only the first one compiles
     cache = tmp_path_factory.getbasetemp() / "jax_compilation_cache"
     return _spawn([sys.executable, "-m", "jaxllm.server", "serve", "--model", str(checkpoint), "--host", "127.0.0.1",
-                   "--compilation-cache-dir", str(cache), *SERVER_FLAGS], tmp_path_factory)
+                   "--compilation-cache-dir", str(cache), *SERVER_FLAGS, *flags], tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +106,23 @@ def server(checkpoints, tmp_path_factory):
     process, url, log_path = _launch(checkpoint, tmp_path_factory)
     try:
         yield Server(url, checkpoint, _wait_until_ready(url, process, log_path))
+    finally:
+        _stop(process)
+
+
+@pytest.fixture(scope="module")
+def small_server(server, tmp_path_factory):
+    """The url of a server on a copy of the checkpoint whose tokenizer has no chat template, with a KV pool of
+    SMALL_POOL_PAGES pages: 32 tokens, fewer than its context."""
+    checkpoint = tmp_path_factory.mktemp("no_chat_template")
+    shutil.copytree(server.checkpoint, checkpoint, dirs_exist_ok=True)
+    tokenizer_config = checkpoint / "tokenizer_config.json"
+    tokenizer_config.write_text(json.dumps({k: v for k, v in json.loads(tokenizer_config.read_text()).items()
+                                            if k != "chat_template"}))
+    process, url, log_path = _launch(checkpoint, tmp_path_factory, "--num-pages", str(SMALL_POOL_PAGES))
+    try:
+        _wait_until_ready(url, process, log_path)
+        yield url
     finally:
         _stop(process)
 
@@ -369,6 +388,70 @@ def test_a_bad_request_gets_an_openai_error_with_the_right_status(http, route, b
         assert error["message"].startswith(f"This model's maximum context length is {MAX_MODEL_LEN} tokens.")
 
 
+def _chat_or_completion(route: str) -> dict:
+    return {"messages": [{"role": "user", "content": "hi"}]} if route.startswith("chat") else {"prompt": "hi"}
+
+
+UNSUPPORTED_FIELDS = [  # vLLM / OpenAI fields that change the output, which jaxllm does not implement
+    ("chat/completions", "functions", [{"name": "f", "parameters": {}}]),
+    ("chat/completions", "function_call", {"name": "f"}),
+    ("chat/completions", "tool_choice", "required"),
+    ("chat/completions", "tool_choice", {"type": "function", "function": {"name": "f"}}),
+    ("completions", "guided_json", {"type": "object"}),
+    ("completions", "guided_regex", "a+"),
+    ("chat/completions", "guided_choice", ["yes", "no"]),
+    ("completions", "guided_grammar", "root ::= \"a\""),
+    ("chat/completions", "structured_outputs", {"choice": ["yes", "no"]}),
+    ("completions", "bad_words", ["self"]),
+    ("completions", "allowed_token_ids", [5]),
+    ("completions", "include_stop_str_in_output", True),
+    ("completions", "skip_special_tokens", False),
+    ("completions", "prompt_logprobs", 1),
+    ("completions", "prompt_logprobs", 0),
+]
+
+
+@pytest.mark.parametrize(("route", "field", "value"), UNSUPPORTED_FIELDS)
+def test_a_field_that_would_change_the_output_is_refused_by_name(http, route, field, value):
+    """Accepted and ignored, it would answer something other than what was asked for."""
+    body = {"model": MODEL, "max_tokens": 2, **_chat_or_completion(route), field: value}
+    response = http.post(f"/v1/{route}", json=body)
+    assert response.status_code == 400, response.text
+    assert (response.json()["error"]["param"], response.json()["error"]["code"]) == (field, "invalid_value")
+
+
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_those_fields_at_their_defaults_are_accepted(http, route):
+    """Clients that send every field send these."""
+    defaults = {"functions": [], "function_call": "none", "tool_choice": "auto", "guided_json": None,
+                "guided_choice": None, "structured_outputs": None, "bad_words": [], "allowed_token_ids": None,
+                "include_stop_str_in_output": False, "skip_special_tokens": True, "prompt_logprobs": None}
+    for tool_choice in ("auto", "none"):
+        body = {"model": MODEL, "max_tokens": 2, **_chat_or_completion(route), **defaults, "tool_choice": tool_choice}
+        response = http.post(f"/v1/{route}", json=body)
+        assert response.status_code == 200, response.text
+
+
+LONE_SURROGATES = [  # JSON can escape half a UTF-16 pair, which is no Unicode text
+    ("completions", {"prompt": "hi \ud800 there"}, "prompt"),
+    ("completions", {"prompt": ["fine", "\udfff"], "stream": True}, "prompt"),
+    ("completions", {"prompt": "hi", "stop": ["\n", "\ud800"]}, "stop"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi \ud800"}]}, "messages[0].content"),
+    ("chat/completions", {"messages": [{"role": "system", "content": "be brief"},
+                                       {"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
+     "messages[1].content"),
+    ("chat/completions", {"messages": [{"role": "user\ud800", "content": "hi"}]}, "messages[0].role"),
+]
+
+
+@pytest.mark.parametrize(("route", "body", "param"), LONE_SURROGATES)
+def test_a_lone_surrogate_in_text_is_refused_by_name(http, route, body, param):
+    content = json.dumps({"model": MODEL, "max_tokens": 2, **body})  # ASCII: the surrogate travels as \ud800
+    response = http.post(f"/v1/{route}", content=content, headers={"Content-Type": "application/json"})
+    assert response.status_code == 400, response.text
+    assert (response.json()["error"]["param"], response.json()["error"]["code"]) == (param, "invalid_value")
+
+
 def test_a_rid_becomes_the_response_id(http):
     body = {"model": MODEL, "max_tokens": 4, "rid": "job-42"}
     completion = http.post("/v1/completions", json={**body, "prompt": "abc", "n": 2}).json()
@@ -391,12 +474,27 @@ def test_unknown_routes_and_methods_get_json_errors(http):
     assert wrong_method.status_code == 405 and "error" in wrong_method.json()
 
 
-def test_a_full_waiting_queue_answers_429_and_leaves_no_pages_behind(server, http):
-    body = {"model": MODEL, "prompt": ["a", "b", "c"], "n": 128, "max_tokens": 4}  # 384 > 256 waiting + 4 running
+def test_more_choices_than_the_server_queues_are_refused_upfront(http):
+    """The waiting queue (256) could never take this request whole: a 429 would be answered for ever."""
+    body = {"model": MODEL, "prompt": ["a", "b", "c"], "n": 128, "max_tokens": 4}  # 384 choices
     response = http.post("/v1/completions", json=body)
+    assert response.status_code == 400, response.text
+    assert (response.json()["error"]["param"], response.json()["error"]["code"]) == ("n", "invalid_value")
+
+
+def test_a_full_waiting_queue_answers_429_and_leaves_no_pages_behind(server, http):
+    filling = {"model": MODEL, "prompt": ["a", "b"], "n": 128, "max_tokens": 4, "stream": True}  # 256: the whole queue
+
+    async def scenario() -> httpx.Response:
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=60) as session:
+            # its first bytes come once its choices are queued; leaving the block aborts them
+            async with session.stream("POST", "/v1/completions", json=filling):
+                return await session.post("/v1/completions", json={**filling, "prompt": "a", "stream": False})
+
+    response = asyncio.run(scenario())
     assert response.status_code == 429 and response.json()["error"]["code"] == "scheduler_queue_full"
     wait_for_idle_pool(server.url)
-    assert http.post("/v1/completions", json={**body, "prompt": "a", "n": 1}).status_code == 200
+    assert http.post("/v1/completions", json={**filling, "prompt": "a", "n": 1, "stream": False}).status_code == 200
 
 
 # disconnects and load
@@ -556,7 +654,50 @@ def test_chat_text_parts_reach_the_template_as_one_string():
     assert request.messages == [{"role": "user", "content": "Tell me more."}]
 
 
+# a model without a chat template, and a KV pool smaller than the context
+
+
+def test_chat_with_a_model_without_a_chat_template_is_a_400(small_server):
+    chat = httpx.post(f"{small_server}/v1/chat/completions", headers=AUTH, timeout=60,
+                      json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert chat.status_code == 400, chat.text
+    assert chat.json()["error"]["code"] == "invalid_value" and "no chat template" in chat.json()["error"]["message"]
+    completion = httpx.post(f"{small_server}/v1/completions", headers=AUTH, timeout=60,
+                            json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    assert completion.status_code == 200, completion.text
+
+
+def test_leaving_max_tokens_out_generates_what_the_kv_pool_holds(small_server):
+    """The default max_tokens is what is left of the context, or of a pool that holds less; asked for explicitly,
+    more than the pool holds is still refused."""
+    body = {"model": MODEL, "prompt": "hi", "ignore_eos": True}
+    response = httpx.post(f"{small_server}/v1/completions", headers=AUTH, timeout=60, json=body)
+    assert response.status_code == 200, response.text
+    usage = response.json()["usage"]
+    assert usage["total_tokens"] == SMALL_POOL_PAGES * 8 < MAX_MODEL_LEN  # SERVER_FLAGS: page size 8
+    assert response.json()["choices"][0]["finish_reason"] == "length"
+    too_many = httpx.post(f"{small_server}/v1/completions", headers=AUTH, timeout=60,
+                          json={**body, "max_tokens": usage["completion_tokens"] + 1})
+    assert too_many.status_code == 400, too_many.text
+
+
 # failures, on the stand-in engine
+
+
+def test_a_chat_stream_writes_only_pings_until_its_first_token_comes_with_the_role(fake_server):
+    """Clients (vLLM's bench) time the first token from the first chunk with choices, so the role chunk must not go
+    out while the request waits: it goes out with the first content, after keep-alive pings."""
+    body = {"model": FAKE_MODEL, "messages": [{"role": "user", "content": fake_engine_server.SLOW}], "max_tokens": 2,
+            "stream": True}
+    sent = time.monotonic()
+    with httpx.stream("POST", f"{fake_server}/v1/chat/completions", json=body, timeout=30) as stream:
+        lines = [(time.monotonic() - sent, line) for line in stream.iter_lines() if line]
+    first_event = next(i for i, (_, line) in enumerate(lines) if line.startswith("data: "))
+    assert first_event > 0 and all(line == ": ping" for _, line in lines[:first_event])
+    assert lines[first_event][0] >= fake_engine_server.SLOW_START_S
+    events, _ = sse_events(line for _, line in lines)
+    assert [event["choices"][0]["delta"] for event in events[:2]] == [{"role": "assistant", "content": ""},
+                                                                     {"content": "a"}]
 
 
 def test_a_request_whose_output_the_server_cannot_handle_fails_alone(fake_server):
@@ -702,11 +843,19 @@ def test_serve_checks_its_flags_before_importing_jax_or_the_server():
     for flags, code, message in ((["--max-num-seqs", "x"], 2, "invalid int value"),
                                  (["--decoding-strategy", "nope"], 2, "decoding_strategy must be one of"),
                                  (["--dtype", "float16"], 2, "dtype must be one of"),
+                                 (["--sse-keepalive-interval", "0"], 2, "keep-alive interval must be > 0 seconds"),
                                  (["--help"], 0, "--max-num-seqs")):
         finished = subprocess.run([sys.executable, "-c", probe, "serve", *flags], capture_output=True, text=True,
                                   timeout=60, cwd=REPO, check=False)
         assert finished.stdout.splitlines()[-1] == f"exit {code} imported []", finished.stdout + finished.stderr
         assert message in finished.stdout + finished.stderr
+
+
+@pytest.mark.parametrize("keepalive_s", [0, -1.0])
+def test_an_app_refuses_a_keepalive_interval_that_is_not_positive(keepalive_s):
+    """A 0 s keep-alive floods a stream with pings and never delivers its output."""
+    with pytest.raises(ValueError, match="keep-alive interval must be > 0"):
+        create_app(fake_engine_server.FakeEngine, model_name=FAKE_MODEL, sse_keepalive_s=keepalive_s)
 
 
 def test_serve_exits_with_an_error_when_the_model_cannot_load(server, tmp_path):
