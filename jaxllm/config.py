@@ -24,6 +24,7 @@ class MoEConfig:
     n_group: int
     topk_group: int
     routed_scaling_factor: float
+    expert_bias: bool = True  # False: the checkpoint has no router expert bias, so selection uses the scores alone
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +49,9 @@ class ModelConfig:
 
 
 def transformer_config(hf_config: dict, model_type: str, *, partial_rotary_factor: float, block_size: int,
-                       moe: MoEConfig | None = None) -> ModelConfig:
-    """The fields every supported decoder reads the same way; the defaults are the model family's."""
+                       head_dim: int | None = None, moe: MoEConfig | None = None) -> ModelConfig:
+    """The fields every supported decoder reads the same way; the defaults are the model family's (head_dim None:
+    hidden_size / num_attention_heads when config.json leaves it out)."""
     def field(name):
         return hf_field(hf_config, name, model_type)
 
@@ -67,7 +69,7 @@ def transformer_config(hf_config: dict, model_type: str, *, partial_rotary_facto
         raise ConfigError(f"RoPE scaling {rope_type!r} is not supported: only plain RoPE (a {model_type!r} checkpoint "
                           f"with it would get wrong positions)")
     num_heads = field("num_attention_heads")
-    head_dim = hf_config.get("head_dim") or field("hidden_size") // num_heads
+    head_dim = hf_config.get("head_dim") or head_dim or field("hidden_size") // num_heads
     return ModelConfig(
         model_type=model_type,
         vocab_size=field("vocab_size"),

@@ -80,7 +80,11 @@ class SafetensorsReader:
                             raise CheckpointError(f"tensor {key!r} is in both {key_to_file[key]} and {file.name} "
                                                   f"(and {model_dir} has no model.safetensors.index.json)")
                         key_to_file[key] = file.name
-        self._handles = {name: safe_open(model_dir / name, framework="np") for name in set(key_to_file.values())}
+        shards = set(key_to_file.values())
+        absent = sorted(name for name in shards if not (model_dir / name).exists())
+        if absent:
+            raise CheckpointError(f"{model_dir} lacks {absent}, which model.safetensors.index.json names")
+        self._handles = {name: safe_open(model_dir / name, framework="np") for name in shards}
         self._key_to_file = key_to_file
         self.model_dir = model_dir
 
@@ -150,18 +154,18 @@ def load_weights(model_dir: pathlib.Path, abstract_model: nnx.Module, weight_map
     if set(params) != set(weight_map):
         raise AssertionError(f"weight map and model disagree: {sorted(set(params) ^ set(weight_map))}")
     reader = SafetensorsReader(model_dir)
-    used = set()
+    # the key sets are compared before any tensor is read: a mismatch fails in a moment, not after gigabytes
+    used = set().union(*map(_used_keys, weight_map.values()))
+    unexpected = sorted(reader.keys() - used - set(ignored_keys))
+    if unexpected:
+        raise CheckpointError(f"checkpoint {model_dir} has {len(unexpected)} tensors that this model does not use, "
+                              f"e.g. {unexpected[:3]}; does config.json match the weights?")
     loaded = {}
     for path, spec in weight_map.items():
         struct = params[path]
         host = _assemble(path, spec, reader, struct.shape, np.dtype(struct.dtype))
         # no name keeps the device copy: converted, it is freed before the next tensor is sent
         loaded[path] = convert(path, jnp.asarray(host)) if convert else jnp.asarray(host)
-        used |= _used_keys(spec)
-    unexpected = sorted(reader.keys() - used - set(ignored_keys))
-    if unexpected:
-        raise CheckpointError(f"checkpoint {model_dir} has {len(unexpected)} tensors that this model does not use, "
-                              f"e.g. {unexpected[:3]}; does config.json match the weights?")
     nnx.replace_by_pure_dict(state, _unflatten(loaded))
     return nnx.merge(graphdef, state)
 

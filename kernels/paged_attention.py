@@ -117,11 +117,14 @@ def paged_attention_reference(q, k, v, k_pages, v_pages, layer, page_table, cont
     ctx_shape = (batch, width * page_size, num_kv_heads, head_dim)
     ctx_k = k_pages[layer, :, page_table].transpose(0, 1, 3, 2, 4).reshape(ctx_shape)
     ctx_v = v_pages[layer, :, page_table].transpose(0, 1, 3, 2, 4).reshape(ctx_shape)
-    keys = jnp.concatenate([ctx_k, k], axis=1).astype(jnp.float32)
-    values = jnp.concatenate([ctx_v, v], axis=1).astype(jnp.float32)
-
     ctx_pos = jnp.broadcast_to(jnp.arange(width * page_size), (batch, width * page_size))
     win_idx = jnp.broadcast_to(jnp.arange(window), (batch, window))
+    # keys past a context or window are zeroed, not just masked: the runner pads page tables with page 0, and a
+    # 0 weight times a non-finite value in such a page would still be NaN
+    valid = jnp.concatenate([ctx_pos < context_lens[:, None], win_idx < window_lens[:, None]], axis=1)[..., None, None]
+    keys = jnp.where(valid, jnp.concatenate([ctx_k, k], axis=1).astype(jnp.float32), 0.0)
+    values = jnp.where(valid, jnp.concatenate([ctx_v, v], axis=1).astype(jnp.float32), 0.0)
+
     abs_q = context_lens[:, None] + win_idx
     ctx_visible = _visibility(abs_q, ctx_pos, ctx_pos < context_lens[:, None], same_window=False,
                               block_size=block_size, sliding_window=sliding_window)

@@ -10,7 +10,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from jaxllm.config import ConfigError
-from jaxllm.loader import CheckpointError
+from jaxllm.loader import CheckpointError, SafetensorsReader
 from jaxllm.models import load_model, model_config
 from tools.make_checkpoint import make_checkpoint
 
@@ -47,12 +47,47 @@ def test_a_missing_tensor_is_named(sdar_dir):
         load_model(sdar_dir, model_config(sdar_dir), "float32")
 
 
-def test_an_unexpected_tensor_is_named(sdar_dir):
+def test_an_unexpected_tensor_is_named_before_any_tensor_is_read(sdar_dir, monkeypatch):
     weights = load_file(sdar_dir / "model.safetensors")
     weights["model.layers.7.mlp.up_proj.weight"] = weights["model.layers.1.mlp.up_proj.weight"]
     save_file(weights, sdar_dir / "model.safetensors")
+    reads = []
+    monkeypatch.setattr(SafetensorsReader, "get", lambda self, key, needed_by: reads.append(key))
     with pytest.raises(CheckpointError, match=r"does not use.*model\.layers\.7\.mlp\.up_proj\.weight"):
         load_model(sdar_dir, model_config(sdar_dir), "float32")
+    assert reads == []
+
+
+def test_a_shard_the_index_names_but_the_directory_lacks_is_named(tmp_path):
+    path = make_checkpoint(tmp_path / "ckpt", "sdar", dtype="f32", num_shards=2)
+    (path / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"lacks \['model-00002-of-00002\.safetensors'\], which model\."):
+        load_model(path, model_config(path), "float32")
+
+
+def test_llada2_without_a_router_expert_bias_loads_a_zero_one(checkpoints, tmp_path):
+    """moe_router_enable_expert_bias=false: the reference gate selects on the scores alone, as a zero bias does."""
+    source = checkpoints("llada2")
+    shutil.copytree(source, tmp_path / "ckpt")
+    path = tmp_path / "ckpt"
+    weights = load_file(path / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if not k.endswith("expert_bias")}, path / "model.safetensors")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"moe_router_enable_expert_bias": False}))
+    with_bias, without = param_arrays(load_model(source, model_config(source), "float32")), \
+        param_arrays(load_model(path, model_config(path), "float32"))
+    biases = [key for key in without if key.endswith("['expert_bias']")]
+    assert biases and all((without[key] == 0).all() and (with_bias[key] != 0).any() for key in biases)
+    assert all(np.array_equal(with_bias[key], without[key]) for key in without if key not in biases)
+
+
+def test_sdar_head_dim_defaults_to_128_as_its_config_class(tmp_path):
+    path = make_checkpoint(tmp_path / "ckpt", "sdar", dtype="f32", hidden_size=256, head_dim=128)
+    config = json.loads((path / "config.json").read_text())
+    del config["head_dim"]  # hidden_size / heads would say 64
+    (path / "config.json").write_text(json.dumps(config))
+    assert model_config(path).head_dim == 128
+    load_model(path, model_config(path), "float32")
 
 
 @pytest.mark.parametrize("field, message", [
@@ -101,6 +136,10 @@ def test_an_unsupported_model_type_is_named(sdar_dir):
     ("sdar", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ("llada2", {"hidden_act": "gelu_pytorch_tanh"}, "hidden_act 'gelu_pytorch_tanh'"),
     ("sdar", {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, r"pre-quantized .*fp8"),
+    ("sdar", {"attention_bias": True}, "attention_bias=true"),
+    ("llada2", {"use_qkv_bias": True}, "use_qkv_bias=true"),
+    ("llada2", {"use_bias": True}, "use_bias=true"),
+    ("llada2", {"use_qk_norm": False}, "use_qk_norm=false"),
 ])
 def test_settings_the_models_do_not_implement_are_refused(checkpoints, tmp_path, arch, setting, message):
     """Loading them anyway would give a model that runs and is silently wrong."""
@@ -109,7 +148,8 @@ def test_settings_the_models_do_not_implement_are_refused(checkpoints, tmp_path,
     with pytest.raises(ConfigError, match=message):
         model_config(tmp_path)
     plain = config | {"rope_scaling": None, "expert_capacity": 0, "norm_head": False, "hidden_act": "silu",
-                      "quantization_config": None}
+                      "quantization_config": None, "attention_bias": False, "use_qkv_bias": False, "use_bias": False,
+                      "use_qk_norm": True}
     (tmp_path / "config.json").write_text(json.dumps(plain))
     model_config(tmp_path)
 

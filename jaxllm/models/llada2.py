@@ -34,6 +34,11 @@ def config_from_hf(hf: dict) -> ModelConfig:
                           f"grouped top-k routing")
     if hf.get("norm_head"):
         raise ConfigError("norm_head=true (a normalised LM head) is not supported")
+    for flag in ("use_qkv_bias", "use_bias"):  # their tensors would otherwise be refused after every weight was read
+        if hf.get(flag):
+            raise ConfigError(f"{flag}=true (biased attention projections) is not supported")
+    if not hf.get("use_qk_norm", True):
+        raise ConfigError("use_qk_norm=false is not supported: the attention normalises q and k per head")
     moe = MoEConfig(
         num_experts=field("num_experts"),
         num_experts_per_tok=field("num_experts_per_tok"),
@@ -45,6 +50,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         n_group=int(field("n_group")),
         topk_group=int(field("topk_group")),
         routed_scaling_factor=float(field("routed_scaling_factor")),
+        expert_bias=bool(hf.get("moe_router_enable_expert_bias", True)),
     )
     return transformer_config(hf, MODEL_TYPE, partial_rotary_factor=0.5, block_size=32, moe=moe)
 
@@ -134,7 +140,9 @@ def hf_weight_map(cfg: ModelConfig) -> dict[str, Tensor]:
 
     moe_mlp = {
         "mlp/router_pieces": (("mlp.gate.weight",), router_pieces_from_hf),
-        "mlp/expert_bias": (("mlp.gate.expert_bias",), unchanged),
+        # without one, a zero bias selects as the reference's biasless gate does
+        "mlp/expert_bias": ((("mlp.gate.expert_bias",), unchanged) if cfg.moe.expert_bias else
+                            ((), lambda: np.zeros((cfg.moe.num_experts,), np.float32))),
         "mlp/experts_gate_up": (("mlp.experts.{expert}.gate_proj.weight", "mlp.experts.{expert}.up_proj.weight"),
                                 ConcatTransposed((cfg.moe.moe_intermediate_size,) * 2)),
         "mlp/experts_down": (("mlp.experts.{expert}.down_proj.weight",), transpose),
@@ -145,7 +153,7 @@ def hf_weight_map(cfg: ModelConfig) -> dict[str, Tensor]:
     for i in range(cfg.num_layers):
         mlp = swiglu("mlp", cfg.intermediate_size) if i < cfg.moe.first_k_dense_replace else moe_mlp
         for path, (keys, convert) in (attention | mlp).items():
-            experts = cfg.moe.num_experts if "{expert}" in keys[0] else None
+            experts = cfg.moe.num_experts if any("{expert}" in key for key in keys) else None
             weights[f"layers/{i}/{path}"] = Tensor(tuple(f"model.layers.{i}.{k}" for k in keys), convert, experts)
     weights["embed/embedding"] = Tensor(("model.word_embeddings.weight",), unchanged)
     weights["norm/weight"] = Tensor(("model.norm.weight",), unchanged)

@@ -6,7 +6,7 @@ block-causal (a token sees its own block and every earlier one) and logits predi
 
 from flax import nnx
 
-from jaxllm.config import ModelConfig, transformer_config
+from jaxllm.config import ConfigError, ModelConfig, transformer_config
 from jaxllm.loader import ConcatTransposed, Tensor, transpose, unchanged
 from jaxllm.models.layers import MLP, DecoderLM
 
@@ -14,7 +14,10 @@ MODEL_TYPE = "sdar"
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
-    return transformer_config(hf, MODEL_TYPE, partial_rotary_factor=1.0, block_size=4)
+    if hf.get("attention_bias"):  # its bias tensors would otherwise be refused only after every weight was read
+        raise ConfigError("attention_bias=true (biased q/k/v/o projections) is not supported")
+    # head_dim 128 when absent, as SDAR's config class (Qwen3's) defaults it, not hidden_size / heads
+    return transformer_config(hf, MODEL_TYPE, partial_rotary_factor=1.0, block_size=4, head_dim=128)
 
 
 class SDAR(DecoderLM):

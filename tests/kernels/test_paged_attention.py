@@ -155,6 +155,17 @@ def test_pallas_matches_reference(name):
     check_case(SWEEP[name], seed=sorted(SWEEP).index(name))
 
 
+@pytest.mark.parametrize("name", ["decode_gqa2", "multi_block_partial_window", "padded_batch_slot",
+                                  "sliding_soft_cap_bf16"])
+def test_reference_ignores_what_no_query_may_see(name):
+    # the reference is the CPU path: NaN in the pages that pad a page table, in slots past a context or in window
+    # rows past window_len must not reach the output
+    case = SWEEP[name]
+    clean, poisoned = make_inputs(case, seed=7)
+    out = np.asarray(run_reference(case, poisoned).astype(jnp.float32))
+    np.testing.assert_array_equal(out, np.asarray(run_reference(case, clean).astype(jnp.float32)))
+
+
 def test_window_pool_rows_follow_the_page_table_and_drop_placeholders():
     page_table = jnp.asarray([[5, 2, 9], [1, 0, 0]], jnp.int32)
     rows = pa.window_pool_rows(page_table, jnp.asarray([4, 0], jnp.int32), jnp.asarray([4, 2], jnp.int32),
