@@ -49,14 +49,14 @@ class ModelConfig:
 
 
 def transformer_config(hf_config: dict, model_type: str, *, partial_rotary_factor: float, block_size: int,
-                       head_dim: int | None = None, moe: MoEConfig | None = None) -> ModelConfig:
-    """The fields every supported decoder reads the same way; the defaults are the model family's (head_dim None:
+                       default_head_dim: int | None = None, moe: MoEConfig | None = None) -> ModelConfig:
+    """The fields every supported decoder reads the same way; the defaults are the model family's (default_head_dim None:
     hidden_size / num_attention_heads when config.json leaves it out)."""
     def field(name):
         return hf_field(hf_config, name, model_type)
 
     quantized = hf_config.get("quantization_config")
-    if quantized:  # its scale tensors would otherwise be refused only after every weight was read
+    if quantized:  # else the load fails on "unused" scale tensors, which does not say why
         method = quantized.get("quant_method", "quantization_config")
         raise ConfigError(f"pre-quantized checkpoints ({method}) are not supported: load an unquantized one "
                           f"(LLaDA2's experts quantize at load: quantization='int8' or 'fp8')")
@@ -69,7 +69,7 @@ def transformer_config(hf_config: dict, model_type: str, *, partial_rotary_facto
         raise ConfigError(f"RoPE scaling {rope_type!r} is not supported: only plain RoPE (a {model_type!r} checkpoint "
                           f"with it would get wrong positions)")
     num_heads = field("num_attention_heads")
-    head_dim = hf_config.get("head_dim") or head_dim or field("hidden_size") // num_heads
+    head_dim = hf_config.get("head_dim") or default_head_dim or field("hidden_size") // num_heads
     return ModelConfig(
         model_type=model_type,
         vocab_size=field("vocab_size"),

@@ -121,14 +121,15 @@ def paged_attention_reference(q, k, v, k_pages, v_pages, layer, page_table, cont
     win_idx = jnp.broadcast_to(jnp.arange(window), (batch, window))
     # keys past a context or window are zeroed, not just masked: the runner pads page tables with page 0, and a
     # 0 weight times a non-finite value in such a page would still be NaN
-    valid = jnp.concatenate([ctx_pos < context_lens[:, None], win_idx < window_lens[:, None]], axis=1)[..., None, None]
+    ctx_valid, win_valid = ctx_pos < context_lens[:, None], win_idx < window_lens[:, None]
+    valid = jnp.concatenate([ctx_valid, win_valid], axis=1)[..., None, None]
     keys = jnp.where(valid, jnp.concatenate([ctx_k, k], axis=1).astype(jnp.float32), 0.0)
     values = jnp.where(valid, jnp.concatenate([ctx_v, v], axis=1).astype(jnp.float32), 0.0)
 
     abs_q = context_lens[:, None] + win_idx
-    ctx_visible = _visibility(abs_q, ctx_pos, ctx_pos < context_lens[:, None], same_window=False,
+    ctx_visible = _visibility(abs_q, ctx_pos, ctx_valid, same_window=False,
                               block_size=block_size, sliding_window=sliding_window)
-    win_visible = _visibility(win_idx, win_idx, win_idx < window_lens[:, None], same_window=True,
+    win_visible = _visibility(win_idx, win_idx, win_valid, same_window=True,
                               block_size=block_size, sliding_window=sliding_window)
     visible = jnp.concatenate([ctx_visible, win_visible], axis=2)  # [B, Q, N]
 

@@ -34,7 +34,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
                           f"grouped top-k routing")
     if hf.get("norm_head"):
         raise ConfigError("norm_head=true (a normalised LM head) is not supported")
-    for flag in ("use_qkv_bias", "use_bias"):  # their tensors would otherwise be refused after every weight was read
+    for flag in ("use_qkv_bias", "use_bias"):  # else the load fails on 'unused' bias tensors
         if hf.get(flag):
             raise ConfigError(f"{flag}=true (biased attention projections) is not supported")
     if not hf.get("use_qk_norm", True):

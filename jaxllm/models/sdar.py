@@ -14,10 +14,10 @@ MODEL_TYPE = "sdar"
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
-    if hf.get("attention_bias"):  # its bias tensors would otherwise be refused only after every weight was read
+    if hf.get("attention_bias"):  # else the load fails on 'unused' bias tensors
         raise ConfigError("attention_bias=true (biased q/k/v/o projections) is not supported")
     # head_dim 128 when absent, as SDAR's config class (Qwen3's) defaults it, not hidden_size / heads
-    return transformer_config(hf, MODEL_TYPE, partial_rotary_factor=1.0, block_size=4, head_dim=128)
+    return transformer_config(hf, MODEL_TYPE, partial_rotary_factor=1.0, block_size=4, default_head_dim=128)
 
 
 class SDAR(DecoderLM):
