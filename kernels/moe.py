@@ -645,9 +645,9 @@ def _run_routed(tile, expert, tile_rows_ref, row_tile, block_m, num_shared_tiles
 
 def _gate_up_kernel(experts_ref, row_token_ref, x_ref, *refs, block_m, tiles, inter, has_x_scale, has_w_scale,
                     num_shared_tiles, channel_major, every_token, half_tiles, interpret):
-    # tile_expert i32[R] (or with every_token the chosen experts i32[A]), row_token i32[(S+R)*bm], x [T, H],
+    # tile_expert i32[R] (or with every_token the chosen experts i32[A]), row_token i32[R*bm], x [T, H],
     # (x_scale f32[T]), w [E, H, 2I] or channel-major [E, 2I, H], (w_scale f32[E, 2I]), (shared [1, H, 2I]: S row
-    # tiles of the tokens in order before the routed ones)
+    # tiles of the tokens in order before the routed ones, their tokens the row index, padding rows token 0)
     # -> act [(S+R)*bm, I]; this program: rows [r*bm, (r+1)*bm) x act columns [j*bn, (j+1)*bn)
     refs = list(refs)
     tile_rows_ref = refs.pop(0) if half_tiles else None
@@ -656,9 +656,13 @@ def _gate_up_kernel(experts_ref, row_token_ref, x_ref, *refs, block_m, tiles, in
     row_tile, col_tile = pl.program_id(0), pl.program_id(1)
     expert = _routed_expert(experts_ref, row_tile, every_token, num_shared_tiles)
 
-    def tile(w_ref, expert, w_scale_ref, channel_major, height):
+    def tile(w_ref, expert, w_scale_ref, channel_major, height, shared_tile=False):
         rows = pl.ds(row_tile * block_m, height)
-        tokens = row_token_ref[rows]  # i32[height]
+        if shared_tile:
+            tokens = row_tile * block_m + lax.iota(jnp.int32, height)
+            tokens = jnp.where(tokens < x_ref.shape[0], tokens, 0)
+        else:
+            tokens = row_token_ref[pl.ds((row_tile - num_shared_tiles) * block_m, height)]  # i32[height]
         gate_cols = pl.ds(col_tile * tiles.block_n, tiles.block_n)
         up_cols = pl.ds(inter + col_tile * tiles.block_n, tiles.block_n)
 
@@ -686,7 +690,7 @@ def _gate_up_kernel(experts_ref, row_token_ref, x_ref, *refs, block_m, tiles, in
     _run_routed(lambda height: tile(w_ref, expert, w_scale_ref, channel_major, height), expert, tile_rows_ref,
                 row_tile, block_m, num_shared_tiles)
     if shared_ref is not None:
-        pl.when(row_tile < num_shared_tiles)(lambda: tile(shared_ref, 0, None, False, block_m))
+        pl.when(row_tile < num_shared_tiles)(lambda: tile(shared_ref, 0, None, False, block_m, shared_tile=True))
 
 
 def _down_kernel(experts_ref, act_ref, *refs, block_m, tiles, has_act_scale, has_w_scale, num_shared_tiles,
@@ -792,20 +796,18 @@ def _gate_up(groups, x, x_scale, w_values, w_scales, channel_major, *, act_dtype
              num_shared_tiles=0):
     """[(S+R)*bm, I] = silu(x[rows] @ Wg[e]) * (x[rows] @ Wu[e]) per row tile; a None scale is 1. A shared expert's
     weights [H, 2I] take the first S = num_shared_tiles row tiles, holding the tokens in order (padding rows read
-    token 0)."""
-    row_token = groups.row_token
-    if num_shared_tiles:
-        shared_rows = jnp.arange(num_shared_tiles * tiles.block_m, dtype=jnp.int32)
-        row_token = jnp.concatenate([jnp.where(shared_rows < x.shape[0], shared_rows, 0), row_token])
+    token 0): the kernel counts their tokens itself, where a concatenate of them before the groups' row_token was
+    a kernel of its own (25 us per LLaDA2 forward at batch 32 on the H100, engine run 44)."""
+    num_rows = num_shared_tiles * tiles.block_m + groups.row_token.shape[0]
     inter = w_values.shape[1 if channel_major else 2] // 2
     program = pallas_program(
-        _gate_up_kernel, jax.ShapeDtypeStruct((row_token.shape[0], inter), act_dtype),
-        (row_token.shape[0] // tiles.block_m, inter // tiles.gate_up.block_n), name="moe_gate_up",
+        _gate_up_kernel, jax.ShapeDtypeStruct((num_rows, inter), act_dtype),
+        (num_rows // tiles.block_m, inter // tiles.gate_up.block_n), name="moe_gate_up",
         num_warps=tiles.gate_up.num_warps, num_stages=tiles.gate_up.num_stages, interpret=interpret,
         block_m=tiles.block_m, tiles=tiles.gate_up, inter=inter, has_x_scale=x_scale is not None,
         has_w_scale=w_scales is not None, num_shared_tiles=num_shared_tiles, channel_major=channel_major,
         every_token=groups.expert_ids is not None, half_tiles=groups.tile_rows is not None)
-    return program(_experts_operand(groups), row_token, x, *_half_tile_operand(groups),
+    return program(_experts_operand(groups), groups.row_token, x, *_half_tile_operand(groups),
                    *_scaled_operands(x_scale, w_values, w_scales), *([] if shared is None else [shared[None]]))
 
 
