@@ -51,11 +51,12 @@ def _top_k_positions(confidence, eligible, k):
     return eligible & (rank < k[..., None])
 
 
-def _threshold_transfer(confidence, eligible, threshold, force):
-    """Masked positions at or above threshold; where forced, at least the block's most confident one."""
+def _threshold_transfer(confidence, eligible, threshold, force, strict):
+    """Masked positions at or above threshold (strict: above it); where forced, at least the block's most confident
+    one. `threshold` accepts c >= threshold (decoding.md §3), LLaDA2.1's joint_threshold only p > threshold (§7)."""
     best = jnp.max(jnp.where(eligible, confidence, -jnp.inf), axis=-1)  # [B, N]
-    cut = jnp.where(force, jnp.minimum(threshold, best - 1e-5), threshold)
-    return eligible & (confidence >= cut[..., None])
+    cut = jnp.where(force, jnp.minimum(threshold, best - 1e-5), threshold)[..., None]
+    return eligible & ((confidence > cut) if strict else (confidence >= cut))
 
 
 def _forced_blocks(is_mask, fixed, active, semi_complete_threshold):
@@ -114,7 +115,7 @@ def update(state: WindowState, candidates, confidence, max_blocks, cfg: Decoding
         write = _top_k_positions(conf, eligible, k)
     else:
         force = _forced_blocks(is_mask, fixed, active, cfg.semi_complete_threshold)
-        write = _threshold_transfer(conf, eligible, cfg.threshold, force)
+        write = _threshold_transfer(conf, eligible, cfg.threshold, force, strict=cfg.strategy == "joint_threshold")
     post_steps = state.post_steps
     if editing_on is not None:
         write |= (editing_on[..., None] & ~fixed & ~is_mask & (cand != tokens) & (conf > cfg.editing_threshold))

@@ -42,6 +42,13 @@ def test_threshold_value_changes_what_is_committed():
     assert tokens_of(low) == [5, 6, 7, M]
 
 
+@pytest.mark.parametrize("strategy, committed", [("threshold", [5, 6, M, M]), ("joint_threshold", [5, M, M, M])])
+def test_a_confidence_equal_to_the_threshold_commits_under_threshold_only(strategy, committed):
+    """threshold takes c >= tau (decoding.md 3), LLaDA2.1's joint_threshold p > tau (7); 0.5 is exact in f32."""
+    new, _ = step(window([M, M, M, M]), [5, 6, 7, 8], [0.9, 0.5, 0.25, 0.1], DecodingConfig(strategy, threshold=0.5))
+    assert tokens_of(new) == committed
+
+
 def test_threshold_always_commits_the_most_confident_mask():
     new, _ = step(window([M, M, M, M]), [5, 6, 7, 8], [0.2, 0.3, 0.1, 0.25], DecodingConfig("threshold", threshold=0.9))
     assert tokens_of(new) == [M, 6, M, M]
