@@ -102,6 +102,19 @@ def test_a_tensor_of_the_wrong_shape_is_named_with_both_shapes(sdar_dir, field, 
         load_model(sdar_dir, model_config(sdar_dir), "float32")
 
 
+def test_a_transposed_router_weight_is_named_with_its_checkpoint_shape(checkpoints, tmp_path):
+    """The router is stored as bf16 pieces [H, 3E]; the error speaks of the checkpoint's [E, H]."""
+    path = tmp_path / "ckpt"
+    shutil.copytree(checkpoints("llada2"), path)
+    weights = load_file(path / "model.safetensors")
+    key = "model.layers.1.mlp.gate.weight"
+    weights[key] = np.ascontiguousarray(weights[key].T)
+    save_file(weights, path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"mlp\.gate\.weight \(64, 16\).*config\.json implies "
+                                              r"\[num_experts, hidden_size\] = \(16, 64\)"):
+        load_model(path, model_config(path), "float32")
+
+
 def test_head_counts_that_disagree_with_the_checkpoint_are_named_even_when_the_widths_sum_the_same(sdar_dir):
     config = json.loads((sdar_dir / "config.json").read_text())
     config["num_attention_heads"], config["num_key_value_heads"] = 6, 1  # 6 + 2 * 1 heads, as 4 + 2 * 2

@@ -6,6 +6,7 @@ top-k, top-k weights normalised and scaled by routed_scaling_factor, plus shared
 in-place logits.
 """
 
+import dataclasses
 import functools
 import re
 
@@ -115,10 +116,18 @@ def _quantize_channel_major(weight, mode):
     return quantize(weight, mode, channel_major=True)
 
 
-def router_pieces_from_hf(gate_weight: np.ndarray) -> np.ndarray:
+@dataclasses.dataclass(frozen=True)
+class RouterPiecesFromHF:
     """HF router weight [E, H] -> bf16 pieces [H, 3E], cut from the checkpoint's float32 (the loader's cast to the
-    parameter's bf16 leaves them as they are)."""
-    return np.asarray(cut_router_weight(jnp.asarray(gate_weight.T, jnp.float32)))
+    parameter's bf16 leaves them as they are). The HF shape is checked here: a mismatch is named as the checkpoint
+    spells it, not as the pieces' [H, 3E]."""
+
+    shape: tuple[int, int]  # [num_experts, hidden_size]
+
+    def __call__(self, gate_weight: np.ndarray) -> np.ndarray:
+        if gate_weight.shape != self.shape:
+            raise ValueError(f"config.json implies [num_experts, hidden_size] = {self.shape}")
+        return np.asarray(cut_router_weight(jnp.asarray(gate_weight.T, jnp.float32)))
 
 
 def hf_weight_map(cfg: ModelConfig) -> dict[str, Tensor]:
@@ -139,7 +148,7 @@ def hf_weight_map(cfg: ModelConfig) -> dict[str, Tensor]:
                 f"{module}/down_proj/kernel": ((f"{key}.down_proj.weight",), transpose)}
 
     moe_mlp = {
-        "mlp/router_pieces": (("mlp.gate.weight",), router_pieces_from_hf),
+        "mlp/router_pieces": (("mlp.gate.weight",), RouterPiecesFromHF((cfg.moe.num_experts, cfg.hidden_size))),
         # without one, a zero bias selects as the reference's biasless gate does
         "mlp/expert_bias": ((("mlp.gate.expert_bias",), unchanged) if cfg.moe.expert_bias else
                             ((), lambda: np.zeros((cfg.moe.num_experts,), np.float32))),
