@@ -52,11 +52,12 @@ def _top_k_positions(confidence, eligible, k):
 
 
 def _threshold_transfer(confidence, eligible, threshold, force, strict):
-    """Masked positions at or above threshold (strict: above it); where forced, at least the block's most confident
-    one. `threshold` accepts c >= threshold (decoding.md §3), LLaDA2.1's joint_threshold only p > threshold (§7)."""
-    best = jnp.max(jnp.where(eligible, confidence, -jnp.inf), axis=-1)  # [B, N]
-    cut = jnp.where(force, jnp.minimum(threshold, best - 1e-5), threshold)[..., None]
-    return eligible & ((confidence > cut) if strict else (confidence >= cut))
+    """Masked positions at or above threshold (strict: above it); where forced, also the block's most confident one,
+    by rank, so that it is taken whatever the confidences are. `threshold` accepts c >= threshold (decoding.md §3),
+    LLaDA2.1's joint_threshold only p > threshold (§7)."""
+    above = (confidence > threshold) if strict else (confidence >= threshold)
+    most_confident = _top_k_positions(confidence, eligible & force[..., None], jnp.ones(force.shape, jnp.int32))
+    return (eligible & above) | most_confident
 
 
 def _forced_blocks(is_mask, fixed, active, semi_complete_threshold):
@@ -105,7 +106,9 @@ def update(state: WindowState, candidates, confidence, max_blocks, cfg: Decoding
     Returns (new state, complete bool[B, N]) where complete marks the window's leading run of finished blocks.
     """
     tokens, fixed, is_mask, eligible, active, editing_on = _window_masks(state, cfg, block_size, mask_token_id)
-    cand, conf = _per_block(candidates, block_size), _per_block(confidence, block_size)
+    cand = _per_block(candidates, block_size)
+    # NaN compares with nothing: as the lowest confidence, the ranks still pick k positions and forced progress holds
+    conf = _per_block(jnp.where(jnp.isnan(confidence), -jnp.inf, confidence), block_size)
     masks_in = is_mask.sum(axis=-1)
     block_masks = jnp.where(state.block_steps == 0, masks_in, state.block_masks)
 

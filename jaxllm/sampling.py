@@ -77,7 +77,7 @@ def _greedy_proposals(logits, allowed):
     return candidates, _confidence(logits, segments, candidates, allowed)
 
 
-def _sampled_proposals(logits, seeds, positions, steps, temperature, top_k, top_p):
+def _sampled_proposals(logits, seeds, positions, steps, temperature, top_k, top_p, unscaled_confidence):
     batch, window, vocab = logits.shape
     greedy = temperature <= 0.0
     scale = jnp.where(greedy, 1.0, temperature)[:, None, None]
@@ -104,6 +104,8 @@ def _sampled_proposals(logits, seeds, positions, steps, temperature, top_k, top_
     # greedy rows with a top-k / top-p filter come here too: draw noise only when some row samples
     sampled = jax.lax.cond(jnp.any(~greedy), gumbel_argmax, lambda s: argmax, scaled)
     candidates = jnp.where(greedy[:, None], argmax, sampled)
+    if unscaled_confidence:  # a second pass, sampling rows only: a greedy row's are the logits themselves
+        return candidates, _confidence(logits, kept_segments(logits.reshape(-1, vocab)), candidates)
     return candidates, _confidence(scaled, segments, candidates)
 
 
@@ -112,7 +114,8 @@ def is_plain_greedy(temperature, top_k, top_p):
     return jnp.all((temperature <= 0.0) & (top_k <= 0) & (top_p >= 1.0))
 
 
-def propose(logits, seeds, positions, steps, temperature, top_k, top_p, allowed=None, *, plain_greedy=None):
+def propose(logits, seeds, positions, steps, temperature, top_k, top_p, allowed=None, *, plain_greedy=None,
+            unscaled_confidence=False):
     """A candidate token and its confidence for every position.
 
     logits [B, Q, V], bfloat16 or float32 (each branch converts them to float32 itself: the greedy branch's one
@@ -121,7 +124,9 @@ def propose(logits, seeds, positions, steps, temperature, top_k, top_p, allowed=
     (int8 is what the kernel reads: made once, it costs no conversion per call); plain_greedy: `is_plain_greedy` of
     the rows, where the caller has it already (made once per round by the engine).
     Returns (candidates i32[B, Q], confidence f32[B, Q]): confidence is the candidate's probability under the
-    distribution it was drawn from (temperature, top-k and top-p applied; plain softmax when greedy).
+    distribution it was drawn from (temperature, top-k and top-p applied; plain softmax when greedy), or with
+    unscaled_confidence under the plain softmax of the logits, as the LLaDA reference's low-confidence remasking
+    ranks positions (decoding.md §4: fixed_steps).
 
     A batch of plain greedy requests (the common case) takes a branch of one pass over the logits; any
     sampling or filtering takes the general branch, which computes a greedy row's candidate and confidence from the
@@ -132,6 +137,7 @@ def propose(logits, seeds, positions, steps, temperature, top_k, top_p, allowed=
         plain_greedy = is_plain_greedy(temperature, top_k, top_p)
     candidates, confidence = jax.lax.cond(
         plain_greedy, lambda raw: _greedy_proposals(raw, allowed),
-        lambda raw: _sampled_proposals(_masked(raw, allowed), seeds, positions, steps, temperature, top_k, top_p),
+        lambda raw: _sampled_proposals(_masked(raw, allowed), seeds, positions, steps, temperature, top_k, top_p,
+                                       unscaled_confidence),
         logits)
     return candidates.astype(jnp.int32), confidence

@@ -54,6 +54,22 @@ def test_threshold_always_commits_the_most_confident_mask():
     assert tokens_of(new) == [M, 6, M, M]
 
 
+@pytest.mark.parametrize("cfg", [DecodingConfig("threshold", threshold=0.9), DecodingConfig("fixed_steps", denoising_steps=BLOCK),
+                                 DecodingConfig("joint_threshold", threshold=0.9, editing_threshold=0.9)],
+                         ids=lambda cfg: cfg.strategy)
+@pytest.mark.parametrize("bad", [np.nan, -np.inf])
+def test_a_block_completes_within_its_steps_whatever_the_confidences(cfg, bad):
+    """Confidences that compare with nothing (a model gone NaN) still commit one mask a step, the lowest position
+    first as any tie (decoding.md 13: a request that never ends): block_size steps fill the block, and the next
+    forward verifies it."""
+    state = window([M, M, M, M])
+    for filled in range(1, BLOCK + 1):
+        state, _ = step(state, [5, 6, 7, 8], [bad] * BLOCK, cfg)
+        assert tokens_of(state) == [5, 6, 7, 8][:filled] + [M] * (BLOCK - filled)
+    _, complete = step(state, [5, 6, 7, 8], [bad] * BLOCK, cfg)
+    assert complete.all()
+
+
 def test_prompt_positions_and_filled_tokens_are_never_rewritten():
     state = window([40, 41, M, 9], fixed=[True, True, False, False])
     new, _ = step(state, [5, 6, 7, 8], [1.0, 1.0, 1.0, 1.0], DecodingConfig("threshold", threshold=0.5))

@@ -152,7 +152,8 @@ def proposals_at_read_positions(model, hidden, read, state: WindowState, rows: R
             with jax.named_scope("sampler"):
                 candidates, confidence = propose(logits, seeds, row_positions[:, None], row_steps[:, None],
                                                  temperature, top_k, top_p, rows.allowed,
-                                                 plain_greedy=rows.plain_greedy)
+                                                 plain_greedy=rows.plain_greedy,
+                                                 unscaled_confidence=spec.decoding.strategy == "fixed_steps")
             if num == num_rows:
                 return candidates[:, 0], confidence[:, 0]
             return tokens.at[order[:num]].set(candidates[:, 0]), unread.at[order[:num]].set(confidence[:, 0])

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxllm.config import DecodingConfig
 from jaxllm.decoding import WindowState
@@ -97,3 +98,34 @@ def test_a_read_row_samples_with_its_requests_seed_its_position_and_its_blocks_s
                               block_steps[b:b + 1, q // block, None], temperature[b:b + 1], jnp.array([-1]),
                               jnp.ones(1), allowed)[0][0, 0]) for q in range(window)] for b in range(batch)]
     np.testing.assert_array_equal(np.asarray(candidates)[read], np.asarray(alone)[read])
+
+
+@pytest.mark.parametrize("strategy, softmax_temperature", [("threshold", 0.5), ("fixed_steps", 1.0)])
+def test_the_confidence_a_strategy_ranks_by(strategy, softmax_temperature):
+    """threshold strategies compare the probability under the distribution drawn from (temperature 0.5 here, as
+    LLaDA2 / SDAR do); fixed_steps ranks by the plain softmax p(x0), whatever the temperature (decoding.md 4)."""
+    batch, window, block, vocab = 1, 4, 4, 50
+    table = jnp.asarray(np.random.default_rng(3).normal(size=(window, vocab)) * 2, jnp.float32)
+
+    class Head:
+        def head(self, hidden):
+            return table[hidden[:, 0].astype(jnp.int32)]
+
+    decoding = DecodingConfig(strategy, **({"denoising_steps": block} if strategy == "fixed_steps" else {}))
+    spec = StepSpec(decoding=decoding, block_size=block, mask_token_id=vocab - 1, vocab_size=vocab,
+                    num_real_tokens=vocab - 1, min_logit_rows=1)
+    state = WindowState(jnp.full((batch, window), vocab - 1, jnp.int32), jnp.zeros((batch, window), bool),
+                        jnp.ones(batch, jnp.int32), *(jnp.zeros((batch, 1), jnp.int32),) * 3)
+    inputs = RoundInputs(state, jnp.zeros(batch, jnp.int32), jnp.zeros((batch, 1), jnp.int32), jnp.ones(batch, jnp.int32),
+                         jnp.array([4], jnp.uint32), jnp.full(batch, 0.5, jnp.float32), jnp.full(batch, -1, jnp.int32),
+                         jnp.ones(batch, jnp.float32), jnp.int32(1))
+    positions = jnp.arange(window, dtype=jnp.int32)[None]
+    hidden = jnp.arange(window, dtype=jnp.float32).reshape(batch, window, 1)
+    rows = read_row_inputs(inputs, positions, spec=spec)
+    read = jnp.ones((batch, window), bool)
+    candidates, confidence = (np.asarray(x[0]) for x in jax.jit(
+        lambda: proposals_at_read_positions(Head(), hidden, read, state, rows, spec=spec))())
+    logits = np.asarray(table, np.float64)[:, :vocab - 1] / softmax_temperature
+    probabilities = np.exp(logits - logits.max(-1, keepdims=True))
+    probabilities /= probabilities.sum(-1, keepdims=True)
+    np.testing.assert_allclose(confidence, probabilities[np.arange(window), candidates], rtol=1e-5)
