@@ -33,8 +33,8 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
         if not 0.0 <= self.temperature <= 2.0:
             raise ValueError(f"temperature must lie in [0, 2], got {self.temperature}")
         if self.temperature < MIN_TEMPERATURE:

@@ -64,12 +64,13 @@ def _key_digest(value: str) -> bytes:
 
 
 def _add_guard(app: Sanic, engine_loop: EngineLoop, api_key: str | None) -> None:
-    """/v1/* needs the key (compared in constant time) and a ready engine; /health and /metrics stay open."""
+    """/v1/* needs the key (compared in constant time) and a ready engine; /health, /metrics and OPTIONS (a CORS
+    preflight carries no key) stay open, as vLLM's."""
     expected = _key_digest(f"Bearer {api_key}") if api_key else None
 
     @app.on_request
     async def guard(request: Request):
-        if not request.path.startswith("/v1/"):
+        if request.method == "OPTIONS" or not request.path.startswith("/v1/"):
             return None
         given = request.headers.get("authorization", "")
         if expected is not None and not hmac.compare_digest(_key_digest(given), expected):

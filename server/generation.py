@@ -100,7 +100,8 @@ def _submit(engine_loop: EngineLoop, job: Job) -> Submission:
         raise invalid("n", f"the request asks for {job.num_choices} choices ({len(job.prompt_ids)} prompts x n={n}), "
                            f"more than the server queues at once ({max_waiting}, --max-waiting-requests)")
     for ids in job.prompt_ids:
-        max_tokens = job.request.max_tokens or _default_max_tokens(engine, len(ids))
+        max_tokens = job.request.max_tokens
+        max_tokens = _default_max_tokens(engine, len(ids)) if max_tokens is None else max_tokens
         for sample in range(n):
             prompts.append(ids)
             params.append(_sampling_params(job.request, sample, max_tokens))
@@ -155,6 +156,10 @@ class _EventStream:
                                                          headers=SSE_HEADERS)
         await self._response.send(text)
 
+    @property
+    def started(self) -> bool:
+        return self._response is not None
+
     async def ping(self) -> None:
         await self._write(": ping\n\n")
 
@@ -182,8 +187,12 @@ async def _stream(request: Request, job: Job, submission: Submission, keepalive_
             ordered = [finals[i] for i in range(job.num_choices)]
             await stream.send(usage_chunk(job.header, job.prompt_lens, ordered))
     except APIError as error:  # the request or the engine failed
+        if not stream.started:  # nothing sent yet: the status can still say so, as for a request without stream
+            raise
         await stream.send(error.body())
     except Exception as error:
+        if not stream.started:
+            raise
         logger.exception("error while streaming %s (engine requests %s)", job.header.id, submission.request_ids)
         await stream.send(internal_error(error).body())
     await stream.send("[DONE]")

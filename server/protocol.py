@@ -238,7 +238,7 @@ def _read_common(body: dict, defaults: SamplingDefaults, vocab_size: int, max_to
     stop_token_ids = body.get("stop_token_ids")
     return {
         "n": _read_int(body, "n", 1, 1, MAX_N),
-        "max_tokens": _read_int(body, max_tokens_field, None, 1),
+        "max_tokens": _read_int(body, max_tokens_field, None, 0),
         "temperature": _read_number(body, "temperature", defaults.temperature, 0.0, 2.0),
         "top_p": _read_number(body, "top_p", defaults.top_p, 0.0, 1.0, low_open=True),
         "top_k": _read_top_k(body, defaults.top_k),

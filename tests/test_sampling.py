@@ -189,7 +189,7 @@ def test_propose_lowers_for_the_gpu_without_a_sort_or_a_float_sum_in_xla(batch, 
     assert not re.findall(r"applies stablehlo.add across dimensions = \[[0-9, ]+\] : \(tensor<[0-9x]+xf32>", text)
 
 
-@pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(temperature=-1), dict(top_k=0), dict(top_p=0.0),
+@pytest.mark.parametrize("bad", [dict(max_tokens=-1), dict(temperature=-1), dict(top_k=0), dict(top_p=0.0),
                                  dict(stop=[""]), dict(seed=-1)])
 def test_invalid_sampling_params_are_rejected(bad):
     with pytest.raises(ValueError):

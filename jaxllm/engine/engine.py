@@ -309,7 +309,11 @@ class LLMEngine:
             kind, item = self._inbox.popleft()
             if kind == "add":
                 self._requests[item.request_id] = item
-                self.scheduler.add(item)
+                if item.params.max_tokens == 0:  # nothing to generate: done before it takes a page
+                    self.scheduler.finish(item, "length")
+                    outputs.append(self._output(item, [], ""))
+                else:
+                    self.scheduler.add(item)
             elif item in self._requests and not self._requests[item].is_finished:
                 request = self._requests.pop(item)
                 self.scheduler.finish(request, "abort")
@@ -371,9 +375,10 @@ class LLMEngine:
         and the last len(longest stop) - 1 characters are held back: a stop string may still complete there.
 
         A block commits many tokens at once: at a stop string the ids after the one that completes it are dropped
-        too, so token_ids and usage count what the text shows (the stop string's own tokens included)."""
+        too, so token_ids and usage count what the text shows (the stop string's own tokens included). A stop token
+        (EOS or stop_token_ids) stays in token_ids, its text is not output (vLLM's default)."""
         stops = request.params.stop
-        text = self._text_of(request.output_token_ids)
+        text = self._text_of(request.output_token_ids[:-1] if request.stopped_by_token else request.output_token_ids)
         cuts = {stop: text.find(stop) for stop in stops if stop in text}
         if cuts:
             first = min(cuts, key=cuts.get)  # the stop string that starts first cuts the text
@@ -387,6 +392,7 @@ class LLMEngine:
                 else:
                     shortest = middle + 1
             del request.output_token_ids[longest:]
+            request.stopped_by_token = False
             if not request.is_finished:
                 self.scheduler.finish(request, "stop")
             request.finish_reason = "stop"

@@ -85,6 +85,7 @@ class Request:
         self.window: Window | None = None
         self.finish_reason: str | None = None
         self.text = ""  # detokenized output, stop strings trimmed
+        self.stopped_by_token = False  # the last output id is a stop token: an id of the output, not text of it
         self.stats = RequestStats()
 
     @property

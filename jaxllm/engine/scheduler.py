@@ -214,6 +214,7 @@ class Scheduler:
         new_tokens = window.tokens[:size][~window.fixed[:size]].tolist()
         new_tokens, reason = self._apply_token_stops(request, new_tokens)
         request.output_token_ids.extend(new_tokens)
+        request.stopped_by_token = reason == "stop"
         if reason:
             self.finish(request, reason)
         else:

@@ -233,11 +233,21 @@ def test_text_that_may_begin_a_stop_string_is_held_back(llm):
     assert final.finish_reason == "stop" and final.text == streamed == ""
 
 
-def test_a_stop_token_ends_the_output_after_it(llm):
+def test_a_stop_token_ends_the_output_after_it_and_its_text_is_not_output(llm):
+    """The stop token is the last id, but its text is not in the output (as vLLM without include_stop_str_in_output)."""
     full = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids
     stopped = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=[full[5]]))[0]
     assert stopped.finish_reason == "stop"
     assert stopped.token_ids == full[:full.index(full[5]) + 1]
+    text_of = lambda ids: llm.engine.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    assert text_of(stopped.token_ids) != text_of(stopped.token_ids[:-1])  # the stop token has text of its own
+    assert stopped.text == text_of(stopped.token_ids[:-1])
+
+
+def test_zero_max_tokens_ends_at_once_with_length_and_holds_no_pages(llm):
+    output = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=0))[0]
+    assert output.finish_reason == "length" and output.token_ids == [] and output.text == ""
+    assert output.stats["forward_passes"] == 0 and llm.engine.kv_cache_usage == 0.0
 
 
 def test_max_tokens_ends_with_length(llm):

@@ -209,6 +209,20 @@ def test_models_lists_the_served_model(client):
     assert models[0].model_extra["max_model_len"] == MAX_MODEL_LEN
 
 
+@pytest.mark.parametrize("endpoint, field", [("completions", "max_tokens"), ("chat", "max_completion_tokens")])
+def test_zero_max_tokens_answers_with_no_output(http, endpoint, field):
+    """max_tokens >= 0 (serving.md 2): 0 is an empty completion that ends by length, its prompt counted."""
+    body = ({"prompt": "Hello there"} if endpoint == "completions" else
+            {"messages": [{"role": "user", "content": "Hello there"}]})
+    path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
+    response = http.post(path, json={"model": MODEL, **body, field: 0})
+    assert response.status_code == 200, response.text
+    choice, usage = response.json()["choices"][0], response.json()["usage"]
+    assert (choice["text"] if endpoint == "completions" else choice["message"]["content"]) == ""
+    assert choice["finish_reason"] == "length"
+    assert usage["completion_tokens"] == 0 and usage["prompt_tokens"] > 0
+
+
 def test_v1_needs_the_api_key_but_health_and_metrics_do_not(server):
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
     missing = httpx.post(f"{server.url}/v1/completions", json=body)
@@ -217,6 +231,7 @@ def test_v1_needs_the_api_key_but_health_and_metrics_do_not(server):
     assert wrong.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert httpx.get(f"{server.url}/metrics").status_code == 200
+    assert httpx.options(f"{server.url}/v1/completions").status_code != 401  # a CORS preflight carries no key (vLLM)
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{server.url}/v1", api_key="sk-wrong", max_retries=0).models.list()
 
@@ -340,7 +355,7 @@ BAD_REQUESTS = [
     ("completions", {}, 400, "invalid_value"),
     ("completions", {"prompt": [1, 10**9]}, 400, "invalid_value"),
     ("completions", {"prompt": [1, "a"]}, 400, "invalid_value"),
-    ("completions", {"prompt": "x", "max_tokens": 0}, 400, "invalid_value"),
+    ("completions", {"prompt": "x", "max_tokens": -1}, 400, "invalid_value"),
     ("completions", {"prompt": "x", "max_tokens": "5"}, 400, "invalid_value"),
     ("completions", {"prompt": "x", "temperature": 2.5}, 400, "invalid_value"),
     ("completions", {"prompt": "x", "temperature": True}, 400, "invalid_value"),
@@ -372,7 +387,7 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": [{"content": "hi"}]}, 400, "invalid_value"),
     ("chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "invalid_value"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400, "invalid_value"),
-    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, 400,
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -1}, 400,
      "invalid_value"),
 ]
 
@@ -762,12 +777,12 @@ def test_a_request_whose_prompt_fails_leaves_none_of_its_prompts_running(fake_se
     assert wait_for_idle_pool(fake_server)[ABORTED] == aborted + 1
 
 
-def test_a_stream_that_waits_past_the_queue_time_ends_with_an_error_event(fake_server):
+def test_a_stream_that_fails_before_its_first_event_answers_with_the_status(fake_server):
+    """Nothing was sent when the request expired in the queue, so the status is the error's (408), as without
+    stream; an error after the stream has started is an event (the engine-failure test below)."""
     body = {"model": FAKE_MODEL, "prompt": fake_engine_server.EXPIRE, "max_tokens": 10, "stream": True}
-    with httpx.stream("POST", f"{fake_server}/v1/completions", json=body, timeout=30) as stream:
-        events, _ = sse_events(list(stream.iter_lines()))
-    assert stream.status_code == 200  # a stream has started before the request expires: the error is an event
-    assert events[-2]["error"]["code"] == "scheduler_queue_timeout" and events[-1] == "[DONE]"
+    response = httpx.post(f"{fake_server}/v1/completions", json=body, timeout=30)
+    assert response.status_code == 408 and response.json()["error"]["code"] == "scheduler_queue_timeout"
 
 
 def test_an_engine_failure_fails_the_requests_in_flight_and_stops_the_server(tmp_path_factory):
