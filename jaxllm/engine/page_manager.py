@@ -64,8 +64,9 @@ class PageManager:
             else:
                 self._free.append(page)
 
-    def match_prefix(self, hashes: list[bytes]) -> list[int]:
-        """Take a reference on the longest run of cached pages for these hashes."""
+    def match_prefix(self, hashes: list[bytes], count: bool = True) -> list[int]:
+        """Take a reference on the longest run of cached pages for these hashes; count: in the hit rate (not a
+        preempted request's recompute finding its own pages again)."""
         pages = []
         for page_hash in hashes:
             page = self._page_of_hash.get(page_hash)
@@ -75,8 +76,9 @@ class PageManager:
                 del self._evictable[page]
             self._ref_counts[page] += 1
             pages.append(page)
-        self.prefix_queries += len(hashes)
-        self.prefix_hits += len(pages)
+        if count:
+            self.prefix_queries += len(hashes)
+            self.prefix_hits += len(pages)
         return pages
 
     def register(self, page: int, page_hash: bytes) -> None:

@@ -138,9 +138,12 @@ def test_cached_tokens_count_once_and_a_full_hit_reports_no_negative_prefill_tim
     scheduler.schedule()
     assert second.status is RequestStatus.DECODING and second.stats.num_cached_tokens == 12  # all from the cache
     assert second.stats.as_dict(0)["prefill_time_ms"] >= 0
+    hits, queries = scheduler.pages.prefix_hits, scheduler.pages.prefix_queries
+    assert (hits, queries) == (3, 6)
     scheduler.preempt(second)
-    scheduler.schedule()  # recomputed: re-matches the same pages
+    scheduler.schedule()  # recomputed: re-matches the same pages, which the hit rate does not count again
     assert second.stats.num_preemptions == 1 and second.stats.num_cached_tokens == 12
+    assert (scheduler.pages.prefix_hits, scheduler.pages.prefix_queries) == (hits, queries)
 
 
 def test_prefix_cache_off_shares_nothing():
@@ -167,9 +170,10 @@ def test_preemption_frees_the_newest_request_and_requeues_it_first():
     assert new.prefill_target(4) == 8  # recomputed from prompt + committed output, block-aligned
 
 
-def test_prefilling_requests_never_wait_on_each_other_for_pages():
-    """Both running requests prefilling, neither able to take its next chunk's pages (a prefix-cache hit took ten
-    at admission): the newest gives its pages up, both finish, every page comes back."""
+def test_a_request_waits_for_the_pages_an_earlier_admission_still_takes():
+    """Free pages are promised once: with "fresh" admitted and prefilling (11 of the 16 pages to come), "hit" (12,
+    ten of them cached when it arrives) waits instead of both prefilling into a pool too small for the two (which
+    ended in a preemption and a recompute); both finish, hit without a preemption, and every page comes back."""
     scheduler = make_scheduler(num_pages=16, max_tokens_per_step=16)
     shared = list(range(100, 140))  # ten full pages, cached by the first request
     first = request("first", shared, max_tokens=4)
@@ -189,7 +193,7 @@ def test_prefilling_requests_never_wait_on_each_other_for_pages():
             complete_front_block(scheduler, batch, {r.request_id: [5, 6, 7, 8] for r in batch.requests})
         if not scheduler.has_unfinished():
             break
-    assert fresh.finish_reason == hit.finish_reason == "length" and hit.stats.num_preemptions == 1
+    assert fresh.finish_reason == hit.finish_reason == "length" and hit.stats.num_preemptions == 0
     assert fresh.output_token_ids == [5, 6, 7, 8] * 2 and hit.output_token_ids == [5, 6, 7, 8]
     assert scheduler.pages.num_used_pages == 0
 
