@@ -213,11 +213,15 @@ class LLMEngine:
             vocab_size=cfg.vocab_size, num_real_tokens=min(len(self.tokenizer), cfg.vocab_size),
             min_logit_rows=self.config.min_logit_rows)
         max_pages = -(-self.max_model_len // self.page_size)
-        # a chunk never exceeds the context; chunks below 16 tokens would only add compilations
-        token_budget = max(self.config.max_num_batched_tokens, self.block_size)
-        chunk_limit = min(token_budget, self.max_model_len)
+        token_budget = self.config.max_num_batched_tokens
+        if token_budget < self.block_size:  # prefill goes by whole blocks
+            raise ConfigError(f"max_num_batched_tokens {token_budget} is less than one block ({self.block_size} "
+                              f"tokens)")
+        # chunks of whole blocks up to the budget (or the context), the largest the budget itself so that a step
+        # can use all of it; chunks below 16 tokens would only add compilations
+        chunk_limit = min(token_budget, self.max_model_len) // self.block_size * self.block_size
         smallest_chunk = self.block_size * max(1, 16 // self.block_size)
-        chunk_buckets = [c for c in powers_of_two(smallest_chunk, chunk_limit) if c <= chunk_limit] or [self.block_size]
+        chunk_buckets = [c for c in powers_of_two(smallest_chunk, chunk_limit) if c < chunk_limit] + [chunk_limit]
         return ModelRunner(
             model, kv, spec, batch_buckets=powers_of_two(1, self.config.max_num_seqs),
             width_buckets=powers_of_two(min(8, max_pages), max_pages),

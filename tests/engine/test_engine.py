@@ -362,6 +362,21 @@ def test_a_context_shorter_than_a_block_is_a_config_error(checkpoint):
         LLM(checkpoint, **{**OPTIONS, "max_model_len": 3})
 
 
+def test_a_token_budget_below_one_block_is_a_config_error(checkpoint):
+    with pytest.raises(ConfigError, match="max_num_batched_tokens 2 is less than one block"):
+        LLM(checkpoint, **{**OPTIONS, "max_num_batched_tokens": 2})
+
+
+def test_a_prefill_step_takes_the_whole_token_budget(checkpoint):
+    """24 tokens per step (not a power of two): a 30-token prompt prefills 24, then the last whole block."""
+    engine = LLM(checkpoint, **{**OPTIONS, "max_num_batched_tokens": 24}).engine
+    engine.add_request(list(range(10, 40)), SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()
+    assert engine.last_step_tokens == 24
+    engine.step()
+    assert engine.last_step_tokens == 4
+
+
 @pytest.mark.parametrize("options", [
     dict(decoding_strategy="joint_threshold", threshold=0.5, editing_threshold=0.0, max_post_steps=4),
     dict(decoding_strategy="threshold", threshold=0.6, buffer_size=3, add_block_threshold=0.2,
