@@ -20,7 +20,7 @@ from jaxllm.server.engine_loop import EngineLoop, not_ready_error
 from jaxllm.server import DEFAULT_RESPONSE_TIMEOUT_S, DEFAULT_SSE_KEEPALIVE_S, check_sse_keepalive
 from jaxllm.server.generation import ServingState, handle_generation
 from jaxllm.server.metrics import ServerMetrics
-from jaxllm.server.protocol import APIError, SamplingDefaults, internal_error
+from jaxllm.server.protocol import APIError, SamplingDefaults, check_model, internal_error
 
 logger = logging.getLogger("jaxllm.server")
 
@@ -90,12 +90,20 @@ def _add_routes(app: Sanic) -> None:
     async def chat_completions(request: Request):
         return await handle_generation(request, chat=True)
 
+    def model_card(request: Request) -> dict:
+        serving: ServingState = request.app.ctx.serving
+        return {"id": serving.model_name, "object": "model", "created": request.app.ctx.started,
+                "owned_by": "jaxllm", "max_model_len": serving.engine_loop.engine.max_model_len}
+
     @app.get("/v1/models")
     async def models(request: Request):
-        serving: ServingState = request.app.ctx.serving
-        card = {"id": serving.model_name, "object": "model", "created": request.app.ctx.started,
-                "owned_by": "jaxllm", "max_model_len": serving.engine_loop.engine.max_model_len}
-        return response.json({"object": "list", "data": [card]})
+        return response.json({"object": "list", "data": [model_card(request)]})
+
+    @app.get("/v1/models/<model_id:path>")  # the OpenAI client's models.retrieve; ids may hold slashes
+    async def model(request: Request, model_id: str):
+        card = model_card(request)
+        check_model({"model": model_id}, card["id"])
+        return response.json(card)
 
     @app.get("/health")
     async def health(request: Request):

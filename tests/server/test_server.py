@@ -207,6 +207,9 @@ def test_models_lists_the_served_model(client):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
     assert models[0].model_extra["max_model_len"] == MAX_MODEL_LEN
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
 
 
 @pytest.mark.parametrize("endpoint, field", [("completions", "max_tokens"), ("chat", "max_completion_tokens")])
