@@ -64,9 +64,10 @@ class PageManager:
             else:
                 self._free.append(page)
 
-    def match_prefix(self, hashes: list[bytes], count: bool = True) -> list[int]:
-        """Take a reference on the longest run of cached pages for these hashes; count: in the hit rate (not a
-        preempted request's recompute finding its own pages again)."""
+    def match_prefix(self, hashes: list[bytes], count: bool = True, new_query: bool = True) -> list[int]:
+        """Take a reference on the longest run of cached pages for these hashes. count: in the hit rate (not a
+        preempted request's recompute finding its own pages again); new_query: False for hashes an earlier call
+        already counted as looked up (only the hits count)."""
         pages = []
         for page_hash in hashes:
             page = self._page_of_hash.get(page_hash)
@@ -77,7 +78,7 @@ class PageManager:
             self._ref_counts[page] += 1
             pages.append(page)
         if count:
-            self.prefix_queries += len(hashes)
+            self.prefix_queries += len(hashes) if new_query else 0
             self.prefix_hits += len(pages)
         return pages
 

@@ -81,6 +81,7 @@ class Request:
         self.output_token_ids: list[int] = []
         self.status = RequestStatus.WAITING
         self.page_ids: list[int] = []
+        self.page_hashes: list[bytes] = []  # of the full pages up to the prefill target, made at admission (caching)
         self.context_len = 0  # tokens whose KV is in the pool (prefilled or committed); block-aligned
         self.window: Window | None = None
         self.finish_reason: str | None = None

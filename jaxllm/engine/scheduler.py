@@ -85,6 +85,7 @@ class Scheduler:
                 self._last_step_was_prefill = True
                 return batch
         self._last_step_was_prefill = False
+        decoding = [r for r in self.running if r.status is RequestStatus.DECODING]  # a cache hit may have joined
         if decoding:
             batch = self._schedule_decode(decoding)
             if batch.requests:
@@ -100,19 +101,21 @@ class Scheduler:
         return self._pages_for(target + self.cfg.buffer_size * self.cfg.block_size)
 
     def _admit(self) -> None:
-        # pages the prefilling requests still take: free pages are counted once, not once per admission
-        owed = sum(max(0, self._pages_to_decode(r) - len(r.page_ids)) for r in self.running
-                   if r.status is RequestStatus.PREFILLING)
         while self.waiting and len(self.running) < self.cfg.max_num_seqs:
             request = self.waiting[0]
             target = request.prefill_target(self.cfg.block_size)
             needed = self._pages_to_decode(request)
+            # the free pages the prefilling requests will still take are theirs: each is promised once
+            owed = sum(max(0, self._pages_to_decode(r) - len(r.page_ids)) for r in self.running
+                       if r.status is RequestStatus.PREFILLING)
             if needed > self.pages.num_free_pages - owed and self.running:
                 return  # wait for pages rather than thrash
             self.waiting.popleft()
             if self.cfg.enable_prefix_caching:
-                hashes = page_hashes(request.all_token_ids, self.cfg.page_size, target // self.cfg.page_size)
-                request.page_ids = self.pages.match_prefix(hashes, count=request.stats.first_scheduled_time is None)
+                request.page_hashes = page_hashes(request.all_token_ids, self.cfg.page_size,
+                                                  target // self.cfg.page_size)
+                request.page_ids = self.pages.match_prefix(request.page_hashes,
+                                                           count=request.stats.first_scheduled_time is None)
             request.context_len = len(request.page_ids) * self.cfg.page_size
             if request.stats.first_scheduled_time is None:  # a recompute after preemption re-matches its own pages
                 request.stats.first_scheduled_time = time.perf_counter()
@@ -120,15 +123,23 @@ class Scheduler:
             request.status = RequestStatus.PREFILLING
             self.running.append(request)
             self._finish_prefill_if_done(request)
-            if request.status is RequestStatus.PREFILLING:
-                owed += max(0, needed - len(request.page_ids))
 
     def _schedule_prefill(self, requests: list[Request]) -> PrefillBatch:
         batch = PrefillBatch([], [])
         budget = self.cfg.max_num_batched_tokens
+        being_written: set[bytes] = set()  # hashes of the prompt pages this batch fills
         for request in requests:
             if request.status is not RequestStatus.PREFILLING:
                 continue  # preempted below while making room for an earlier request
+            if self.cfg.enable_prefix_caching and self._holds_only_written_pages(request):
+                # a request prefilling the same prefix beside this one (n > 1, a popular system prompt) registered
+                # pages since this one was admitted, or writes them in this batch: take them, or wait a step for them
+                self._match_more_cached_pages(request)
+                if request.status is not RequestStatus.PREFILLING:
+                    continue
+                next_page = request.context_len // self.cfg.page_size
+                if set(request.page_hashes[next_page:next_page + 1]) & being_written:
+                    continue
             longest = self.cfg.max_chunk(len(batch.requests) + 1)
             if max(batch.chunk_lens, default=0) > longest:
                 break
@@ -147,7 +158,27 @@ class Scheduler:
             batch.requests.append(request)
             batch.chunk_lens.append(chunk)
             budget -= chunk
+            if self.cfg.enable_prefix_caching:
+                first, end = request.context_len // self.cfg.page_size, (request.context_len + chunk) // self.cfg.page_size
+                being_written.update(request.page_hashes[first:end])
         return batch
+
+    def _holds_only_written_pages(self, request: Request) -> bool:
+        """Its context ends at a page boundary and it holds no page past it: cached pages can extend it."""
+        return (request.context_len % self.cfg.page_size == 0
+                and len(request.page_ids) == request.context_len // self.cfg.page_size)
+
+    def _match_more_cached_pages(self, request: Request) -> None:
+        num_pages = request.context_len // self.cfg.page_size
+        first_time = request.stats.num_preemptions == 0
+        pages = self.pages.match_prefix(request.page_hashes[num_pages:], count=first_time, new_query=False)
+        if not pages:
+            return
+        request.page_ids.extend(pages)
+        request.context_len += len(pages) * self.cfg.page_size
+        if first_time:
+            request.stats.num_cached_tokens += len(pages) * self.cfg.page_size
+        self._finish_prefill_if_done(request)
 
     def _max_blocks(self, request: Request) -> int:
         end = min(len(request.prompt_token_ids) + request.params.max_tokens, self.cfg.max_model_len)
@@ -191,8 +222,7 @@ class Scheduler:
         if not self.cfg.enable_prefix_caching:
             return
         num_full = request.context_len // self.cfg.page_size
-        for page, page_hash in zip(request.page_ids[:num_full],
-                                   page_hashes(request.all_token_ids, self.cfg.page_size, num_full)):
+        for page, page_hash in zip(request.page_ids[:num_full], request.page_hashes[:num_full]):
             self.pages.register(page, page_hash)
 
     def _finish_prefill_if_done(self, request: Request) -> None:

@@ -77,6 +77,13 @@ def test_a_repeated_prompt_reuses_cached_pages_and_gives_the_same_output(llm):
     assert llm.engine.scheduler.pages.prefix_hit_rate > 0
 
 
+def test_copies_of_a_prompt_in_one_batch_prefill_it_once(llm):
+    prompt = list(range(600, 621))
+    outputs = llm.generate([prompt] * 3, SamplingParams(max_tokens=8))
+    assert [o.stats["cached_tokens"] for o in outputs] == [0, 20, 20]  # five full pages of the 21-token prompt
+    assert token_ids(outputs[1:]) == [outputs[0].token_ids] * 2
+
+
 def test_abort_finishes_the_request_and_frees_its_pages(llm):
     engine = llm.engine
     request_id = engine.add_request(PROMPTS[3], SamplingParams(max_tokens=40, ignore_eos=True))

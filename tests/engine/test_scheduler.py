@@ -146,6 +146,42 @@ def test_cached_tokens_count_once_and_a_full_hit_reports_no_negative_prefill_tim
     assert (scheduler.pages.prefix_hits, scheduler.pages.prefix_queries) == (hits, queries)
 
 
+def prefill_all(scheduler, requests):
+    """Step (without decoding) until every request decodes; the (request, tokens) of each prefill chunk run."""
+    chunks = []
+    while not all(r.status is RequestStatus.DECODING for r in requests):
+        batch = scheduler.schedule()
+        if isinstance(batch, PrefillBatch):
+            chunks += [(r.request_id, n) for r, n in zip(batch.requests, batch.chunk_lens)]
+            scheduler.postprocess_prefill(batch)
+    return chunks
+
+
+def test_identical_prompts_admitted_together_prefill_once():
+    scheduler = make_scheduler()
+    prompt = list(range(10, 23))  # 13 tokens: the prefill target is 12, three full pages
+    a, b = request("a", prompt), request("b", prompt)
+    scheduler.add(a)
+    scheduler.add(b)
+    assert prefill_all(scheduler, [a, b]) == [("a", 8), ("a", 4)]  # b waits for the pages a writes, then takes them
+    assert b.page_ids[:3] == a.page_ids[:3] and b.stats.num_cached_tokens == 12
+    assert (scheduler.pages.prefix_hits, scheduler.pages.prefix_queries) == (3, 6)
+    for r in (a, b):
+        scheduler.finish(r, "abort")
+    assert scheduler.pages.num_free_pages == scheduler.pages.num_pages
+
+
+def test_a_prompt_sharing_a_prefill_in_flight_computes_only_what_differs():
+    scheduler = make_scheduler()
+    a, b = request("a", list(range(10, 23))), request("b", list(range(10, 18)) + [90, 91, 92, 93, 94])
+    scheduler.add(a)
+    scheduler.add(b)
+    # b takes a's first two pages once written, then prefills its own third beside a's
+    assert prefill_all(scheduler, [a, b]) == [("a", 8), ("a", 4), ("b", 4)]
+    assert b.page_ids[:2] == a.page_ids[:2] and b.page_ids[2] != a.page_ids[2]
+    assert b.stats.num_cached_tokens == 8
+
+
 def test_prefix_cache_off_shares_nothing():
     scheduler = make_scheduler(caching=False)
     prompt = list(range(10, 23))
@@ -223,8 +259,8 @@ def test_requests_never_scheduled_expire_after_the_queue_time_and_started_ones_w
 
 def test_a_prefill_step_always_fits_a_compiled_shape():
     scheduler = make_scheduler(max_tokens_per_step=16)
-    for name, length in zip("abc", (9, 9, 30)):
-        scheduler.add(request(name, list(range(10, 10 + length))))
+    for name, start, length in zip("abc", (10, 40, 70), (9, 9, 30)):
+        scheduler.add(request(name, list(range(start, start + length))))
     batch = scheduler.schedule()
     padded_chunk = max(batch.chunk_lens)
     assert any(b >= len(batch.requests) and c >= padded_chunk for b, c in scheduler.cfg.prefill_shapes)
