@@ -281,7 +281,7 @@ class LLMEngine:
         token_ids = self.tokenize(prompt)
         vocab_size = self.model_config.vocab_size
         if any(not 0 <= t < vocab_size for t in token_ids):
-            # an id past the embedding reads garbage (a review's CPU run: NaN confidences, a window that never completes)
+            # an id past the embedding reads garbage (a review's CPU run: NaN confidences, a window never completing)
             raise ValueError(f"the prompt holds token ids outside the vocabulary [0, {vocab_size})")
         self.check_fits(len(token_ids), params)
         if self.num_waiting >= self.config.max_waiting_requests:

@@ -159,8 +159,8 @@ class Scheduler:
             batch.chunk_lens.append(chunk)
             budget -= chunk
             if self.cfg.enable_prefix_caching:
-                first, end = request.context_len // self.cfg.page_size, (request.context_len + chunk) // self.cfg.page_size
-                being_written.update(request.page_hashes[first:end])
+                full_pages = (request.context_len + chunk) // self.cfg.page_size
+                being_written.update(request.page_hashes[request.context_len // self.cfg.page_size:full_pages])
         return batch
 
     def _holds_only_written_pages(self, request: Request) -> bool:
