@@ -264,6 +264,11 @@ class LLMEngine:
         """Raise ValueError when prompt plus max_tokens cannot fit the context or the KV pool."""
         if prompt_len == 0:
             raise ValueError("the prompt is empty")
+        if prompt_len >= self.max_model_len and params.max_tokens:  # the server's default max_tokens is 1 here
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt contains "
+                f"{prompt_len} input tokens, which leave no room for output. Please reduce the length of the input "
+                f"prompt.")
         if prompt_len + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "

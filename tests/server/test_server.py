@@ -404,6 +404,7 @@ def test_a_bad_request_gets_an_openai_error_with_the_right_status(http, route, b
     assert set(error) == {"message", "type", "param", "code"} and error["code"] == code and error["message"]
     if code == "context_length_exceeded":
         assert error["message"].startswith(f"This model's maximum context length is {MAX_MODEL_LEN} tokens.")
+        assert ("you requested" in error["message"]) == ("max_tokens" in body)  # no made-up output length
 
 
 def _chat_or_completion(route: str) -> dict:
