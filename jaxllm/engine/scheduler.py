@@ -101,13 +101,13 @@ class Scheduler:
         return self._pages_for(target + self.cfg.buffer_size * self.cfg.block_size)
 
     def _admit(self) -> None:
+        # the free pages the prefilling requests will still take are theirs: each is promised once
+        owed = sum(max(0, self._pages_to_decode(r) - len(r.page_ids)) for r in self.running
+                   if r.status is RequestStatus.PREFILLING)
         while self.waiting and len(self.running) < self.cfg.max_num_seqs:
             request = self.waiting[0]
             target = request.prefill_target(self.cfg.block_size)
             needed = self._pages_to_decode(request)
-            # the free pages the prefilling requests will still take are theirs: each is promised once
-            owed = sum(max(0, self._pages_to_decode(r) - len(r.page_ids)) for r in self.running
-                       if r.status is RequestStatus.PREFILLING)
             if needed > self.pages.num_free_pages - owed and self.running:
                 return  # wait for pages rather than thrash
             self.waiting.popleft()
@@ -123,6 +123,8 @@ class Scheduler:
             request.status = RequestStatus.PREFILLING
             self.running.append(request)
             self._finish_prefill_if_done(request)
+            if request.status is RequestStatus.PREFILLING:
+                owed += max(0, needed - len(request.page_ids))
 
     def _schedule_prefill(self, requests: list[Request]) -> PrefillBatch:
         batch = PrefillBatch([], [])
@@ -169,6 +171,7 @@ class Scheduler:
                 and len(request.page_ids) == request.context_len // self.cfg.page_size)
 
     def _match_more_cached_pages(self, request: Request) -> None:
+        """Take the cached pages that continue the request's context; decoding starts if they complete its prefill."""
         num_pages = request.context_len // self.cfg.page_size
         first_time = request.stats.num_preemptions == 0
         pages = self.pages.match_prefix(request.page_hashes[num_pages:], count=first_time, new_query=False)
