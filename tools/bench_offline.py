@@ -141,6 +141,18 @@ def run(llm: LLM, prompts: list[list[int]], output_len: int, steps_per_round: in
                 outputs=[o.token_ids for o in outputs])
 
 
+def first_difference_alone(llm: LLM, prompt: list[int], batch_tokens: list[int], output_len: int,
+                           sampling: dict | None = None) -> int | None:
+    """Decode `prompt` alone and compare with the tokens it got in a batch: the first position where they differ,
+    None where they are equal. Greedy and seeded output must not depend on the batch (README, Decoding); on a GPU
+    the bf16 GEMMs may pick other algorithms per batch bucket, which only a run at full size shows."""
+    alone = run(llm, [prompt], output_len, sampling=sampling)["outputs"][0]
+    differing = [i for i, (a, b) in enumerate(zip(alone, batch_tokens)) if a != b]
+    if differing:
+        return differing[0]
+    return None if len(alone) == len(batch_tokens) else min(len(alone), len(batch_tokens))
+
+
 def median_run(results: list[dict]) -> dict:
     """The run with the median time per forward (one run of 33 forwards at batch 1 lasts ~0.1 s on the H200, and
     single runs of the same code differed by up to 6%), with the spread of all of them."""
@@ -240,6 +252,9 @@ def main() -> None:
                         help="profile one more run per batch size and print the N slowest kernels (GPU)")
     parser.add_argument("--hlo-dump-dir", help="with --profile: keep XLA's optimized HLO here (default: a temporary "
                         "directory), e.g. to see which kernels XLA put into command buffers")
+    parser.add_argument("--check-batch-invariance", action="store_true",
+                        help="also decode the first prompt alone and report where its tokens first differ from the "
+                        "batch's (batch sizes > 1)")
     parser.add_argument("--json", help="append one JSON line per run to this file")
     args = parser.parse_args()
     if args.repeats < 1:
@@ -275,6 +290,12 @@ def main() -> None:
             print(f"profile: {cfg.model_type} batch {batch}")
             print_kernel_table(*profile, top=args.profile, per=llm.engine.num_forwards - forwards_before,
                                unit="forward (the run's prefill included)")
+        invariance = {}
+        if args.check_batch_invariance and batch > 1:
+            differs_at = first_difference_alone(llm, prompts[0], runs[0]["outputs"][0], args.output_len, sampling)
+            invariance = dict(first_difference_alone=differs_at)
+            print(f"batch {batch}: the first prompt decoded alone "
+                  f"{'gives the same tokens' if differs_at is None else f'differs from token {differs_at}'}")
         experts = None
         if cfg.moe is not None:
             experts = measured_touched_experts(llm, prompts, runs[0]["outputs"], args.seed)
@@ -294,7 +315,7 @@ def main() -> None:
                            op_floor_ms=round(floor["op_floor_ms"], 3),
                            op_floor_ratio=round(result["ms_per_forward"] / floor["op_floor_ms"], 2),
                            quantization=args.quantization, qk_norm_scale=args.qk_norm_scale,
-                           **{k: v for k, v in sampling.items() if k != "seed"})
+                           **{k: v for k, v in sampling.items() if k != "seed"}, **invariance)
             print(" | ".join(str(result[c]) for c in COLUMNS), flush=True)
             if args.json:
                 with open(args.json, "a") as f:

@@ -1,5 +1,6 @@
 """The offline benchmark's floor model and its count of the experts a batch touches."""
 
+import json
 import sys
 import tempfile
 
@@ -10,6 +11,7 @@ import pytest
 from jaxllm import LLM, SamplingParams
 from tools.bench_offline import (
     MATMUL_RATE,
+    first_difference_alone,
     forward_floor,
     forward_steps,
     main,
@@ -156,6 +158,26 @@ def test_the_command_runs_on_a_model_of_small_blocks(checkpoints, monkeypatch, c
     assert result["model"] == "sdar" and result["batch"] == "1" and result["block_size"] == "4"
     assert float(result["ms_per_forward"]) > 0
     assert {"op_floor_ms", "op_floor_ratio"} <= result.keys()
+
+
+def test_a_prompt_decoded_alone_is_compared_with_its_tokens_in_the_batch(llada2):
+    prompts = [list(range(5, 13)), list(range(100, 108))]
+    in_batch = run(llada2, prompts, 2 * BLOCK)["outputs"][0]
+    assert first_difference_alone(llada2, prompts[0], in_batch, 2 * BLOCK) is None  # float32: the same tokens
+    changed = [*in_batch[:3], in_batch[3] + 1, *in_batch[4:]]
+    assert first_difference_alone(llada2, prompts[0], changed, 2 * BLOCK) == 3
+    assert first_difference_alone(llada2, prompts[0], in_batch[:5], 2 * BLOCK) == 5  # shorter: differs where it ends
+
+
+def test_the_command_reports_batch_invariance(checkpoints, monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(sys, "argv", ["bench_offline", "--model", str(checkpoints("sdar")), "--dtype", "float32",
+                                      "--input-len", "16", "--output-len", "8", "--repeats", "1", "--batch", "1", "2",
+                                      "--check-batch-invariance", "--json", str(tmp_path / "rows.jsonl")])
+    main()
+    out = capsys.readouterr().out
+    assert "batch 2: the first prompt decoded alone gives the same tokens" in out and "batch 1:" not in out
+    rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    assert "first_difference_alone" not in rows[0] and rows[1]["first_difference_alone"] is None
 
 
 def test_a_prompt_count_with_several_batch_sizes_is_refused(monkeypatch):
