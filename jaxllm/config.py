@@ -210,6 +210,9 @@ class EngineConfig:
     compilation_cache_dir: str | None = None
     mask_token_id: int | None = None  # override the checkpoint's mask id
     seed: int = 0  # draws seeds for requests that bring none
+    # a request's tokens the same alone or in any batch, bit for bit, in bf16 too: every GEMM, the attention and
+    # the expert kernels tiled alike at any row count (kernels/matmul.py), at some speed (BENCHMARKS.md)
+    batch_invariant: bool = False
 
     def __post_init__(self):
         if self.dtype not in DTYPES:

@@ -4,6 +4,8 @@ import functools
 import inspect
 
 import jax
+import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -11,6 +13,20 @@ from jax.experimental.pallas import triton as pltriton
 def is_power_of_two(n: int) -> bool:
     """Triton tensors have power-of-two dimensions: the dispatchers fall back to the reference where they do not."""
     return n > 0 and n & (n - 1) == 0
+
+
+def in_row_chunks(fn, *arrays, chunk):
+    """fn over the arrays' rows (their leading axis) in chunks of `chunk` rows, one after another, the last padded
+    with zeros; its outputs' padding rows are dropped. Every call of fn sees the same shapes at any row count, so
+    XLA runs the same computation on a row however many rows there are (the `batch_invariant` references)."""
+    rows = arrays[0].shape[0]
+    padded_rows = -(-rows // chunk) * chunk
+
+    def chunked(a):
+        return jnp.pad(a, [(0, padded_rows - rows)] + [(0, 0)] * (a.ndim - 1)).reshape(-1, chunk, *a.shape[1:])
+
+    out = lax.map(lambda chunks: fn(*chunks), [chunked(a) for a in arrays])
+    return jax.tree.map(lambda o: o.reshape(padded_rows, *o.shape[2:])[:rows], out)
 
 
 def pallas_program(kernel, out_shape, grid, *, name, num_warps, num_stages=1, interpret=False, num_raw_inputs=None,

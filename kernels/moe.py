@@ -50,7 +50,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jaxllm.kernels import is_power_of_two, pallas_program
+from jaxllm.kernels import in_row_chunks, is_power_of_two, pallas_program
+from jaxllm.kernels.matmul import invariant_matmul
 from jaxllm.quantization import QuantizedWeight, dequantize, quantize_rows
 
 
@@ -363,6 +364,8 @@ _SHARED_IN_KERNELS_MAX_TOKENS = 1024
 # the tensor-core work and output rows (at batch 32 of LLaDA2, ~32 rows per expert in 64-row tiles, about half the
 # tiles): LLaDA2 batch 32 13.60 -> 13.13 ms per forward on the H200, batch 8 unchanged (engine run 18).
 _HALF_TILE_MIN_BLOCK_M = 32
+# Tokens per chunk of the batch-invariant reference: each chunk reads every expert's weights.
+_INVARIANT_CHUNK_TOKENS = 64
 
 
 def _group_by_expert(expert_ids, num_experts, block_m, method="auto", interpret=False):
@@ -849,18 +852,27 @@ def _values_and_scales(w):
 
 
 def _moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, *, fp8_activations, tiles, interpret,
-                        shared=None):
+                        shared=None, batch_invariant=False):
     num_tokens, hidden = x.shape
     num_experts, _, two_inter = w_gate_up.shape
     if tiles is None:
         weights = ("fp8_activations" if fp8_activations else "upcast" if isinstance(w_gate_up, QuantizedWeight)
                    else "plain")
-        tiles = default_tiles(num_tokens, expert_ids.shape[1], num_experts, hidden, two_inter // 2, weights)
+        tiles = default_tiles(_SHARED_IN_KERNELS_MAX_TOKENS if batch_invariant else num_tokens, expert_ids.shape[1],
+                              num_experts, hidden, two_inter // 2, weights)
+        if batch_invariant:  # the grid down kernel: the persistent one needs half-height tiles
+            tiles = dataclasses.replace(tiles, persistent_down=False)
     _check_tiles(tiles, hidden, two_inter // 2)
-    groups = _group_by_expert(expert_ids, num_experts, tiles.block_m, interpret=interpret)
+    method = "auto"
+    if batch_invariant:  # grouped rows at any token count: an every-token tile is a product of another height
+        method = "pallas" if num_tokens * expert_ids.shape[1] <= _PALLAS_GROUPING_MAX_ASSIGNMENTS else "count"
+    groups = _group_by_expert(expert_ids, num_experts, tiles.block_m, method=method, interpret=interpret)
+    if batch_invariant:  # full-height tiles only: a half-filled tile's rows otherwise multiply at half height
+        groups = groups._replace(tile_rows=None)
     # plain weights take a shared expert of the experts' width as more row tiles: its weights stream beside the
     # routed ones instead of in two XLA GEMMs, a SiLU-multiply and an add of their own
-    in_kernels = (shared is not None and num_tokens <= _SHARED_IN_KERNELS_MAX_TOKENS and not fp8_activations
+    in_kernels = (shared is not None and (batch_invariant or num_tokens <= _SHARED_IN_KERNELS_MAX_TOKENS)
+                  and not fp8_activations
                   and not any(isinstance(w, QuantizedWeight) for w in (w_gate_up, w_down))
                   and shared[1].shape[0] == two_inter // 2)
     shared_gate_up, shared_down = shared if in_kernels else (None, None)
@@ -883,10 +895,10 @@ def _moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, *, fp8
     out = jnp.sum(routed * expert_weights.astype(jnp.float32)[..., None], axis=1)
     if in_kernels:
         return (out + out_rows[:num_tokens].astype(jnp.float32)).astype(x.dtype)
-    return _plus_shared(out, x, shared).astype(x.dtype)
+    return _plus_shared(out, x, shared, batch_invariant).astype(x.dtype)
 
 
-def _plus_shared(routed, x, shared):
+def _plus_shared(routed, x, shared, batch_invariant=False):
     """routed + the shared SwiGLU expert in XLA (one [H, 2I] GEMM, silu(gate) * up, the down GEMM), at least as
     precise as the kernels' shared tile: float32 GEMM outputs, the SwiGLU output in x's dtype, the shared term kept
     in float32 and added to routed in float32, one rounding to routed's dtype. (Rounding both GEMMs' outputs to
@@ -896,10 +908,14 @@ def _plus_shared(routed, x, shared):
         return routed
     w_gate_up, w_down = shared
     precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-    gate_up = jnp.dot(x, w_gate_up.astype(x.dtype), precision=precision, preferred_element_type=jnp.float32)
-    gate, up = jnp.split(gate_up, 2, axis=-1)
-    act = (jax.nn.silu(gate) * up).astype(x.dtype)
-    shared_out = jnp.dot(act, w_down.astype(x.dtype), precision=precision, preferred_element_type=jnp.float32)
+
+    def product(a, w):  # float32
+        if batch_invariant:
+            return invariant_matmul(a, w, out_dtype=jnp.float32)
+        return jnp.dot(a, w.astype(a.dtype), precision=precision, preferred_element_type=jnp.float32)
+
+    gate, up = jnp.split(product(x, w_gate_up), 2, axis=-1)
+    shared_out = product((jax.nn.silu(gate) * up).astype(x.dtype), w_down)
     return (routed.astype(jnp.float32) + shared_out).astype(routed.dtype)
 
 
@@ -910,7 +926,7 @@ def _default_impl(hidden, inter):
 
 @functools.partial(jax.named_call, name="moe_experts")
 def moe_experts(x, expert_ids, expert_weights, w_gate_up, w_down, *, impl="auto", interpret=False,
-                fp8_activations=False, tiles=None, shared=None):
+                fp8_activations=False, tiles=None, shared=None, batch_invariant=False):
     """Routed SwiGLU experts, plus a shared expert every token takes. Shapes in the module docstring; returns [T, H]
     in x's dtype.
 
@@ -925,14 +941,23 @@ def moe_experts(x, expert_ids, expert_weights, w_gate_up, w_down, *, impl="auto"
       shared: (w_gate_up [H, 2I'], w_down [I', H]) plain weights of a shared expert, or None. The Pallas path runs
         it in its kernels up to _SHARED_IN_KERNELS_MAX_TOKENS tokens of plain routed weights with I' = I; elsewhere
         (and in the reference) it is computed in XLA (`_plus_shared`) and added to the routed output in float32.
+      batch_invariant: a token's output has the same bits at any token count. The Pallas path then tiles every
+        token count alike (full-height grouped tiles of 1024 tokens' tiling, the shared expert in its kernels, or
+        `invariant_matmul`), more slowly at small ones; the reference runs on chunks of 64 tokens
+        (`in_row_chunks`), each reading every expert's weights.
     """
     _check_inputs(x, expert_ids, expert_weights, w_gate_up, w_down, fp8_activations, shared)
     impl = _default_impl(x.shape[1], w_gate_up.shape[2] // 2) if impl == "auto" else impl
     if impl == "reference":
-        routed = moe_experts_reference(x, expert_ids, expert_weights, w_gate_up, w_down,
-                                       fp8_activations=fp8_activations)
-        return _plus_shared(routed, x, shared)
+        def reference(x, expert_ids, expert_weights):
+            routed = moe_experts_reference(x, expert_ids, expert_weights, w_gate_up, w_down,
+                                           fp8_activations=fp8_activations)
+            return _plus_shared(routed, x, shared)
+
+        if batch_invariant:
+            return in_row_chunks(reference, x, expert_ids, expert_weights, chunk=_INVARIANT_CHUNK_TOKENS)
+        return reference(x, expert_ids, expert_weights)
     if impl == "pallas":
         return _moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, fp8_activations=fp8_activations,
-                                   tiles=tiles, interpret=interpret, shared=shared)
+                                   tiles=tiles, interpret=interpret, shared=shared, batch_invariant=batch_invariant)
     raise ValueError(f"unknown moe impl {impl!r}; use 'auto', 'pallas' or 'reference'")

@@ -183,7 +183,7 @@ def _next_pow2(n):
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-def _choose_tiling(q, page_size, page_table_width, num_kv_heads, overrides, prologue=False):
+def _choose_tiling(q, page_size, page_table_width, num_kv_heads, overrides, prologue=False, batch_invariant=False):
     batch, window, num_heads, head_dim = q.shape
     group = _next_pow2(num_heads // num_kv_heads)
     row_bytes = head_dim * q.dtype.itemsize
@@ -197,13 +197,16 @@ def _choose_tiling(q, page_size, page_table_width, num_kv_heads, overrides, prol
     # ran 4.997 ms per forward at 64-row tiles, 4.941 at 32 (H200, engine run 20), so small grids narrow further
     min_programs = 2 * _MIN_PROGRAMS if prologue else _MIN_PROGRAMS
     widest_q_tile = q_tile
-    while (q_tile > 1 and q_tile * group > _MIN_SMALL_GRID_ROWS
+    # batch_invariant: the tiles of a full grid at any batch, so a query's sums run in one order (no split merge)
+    while (not batch_invariant and q_tile > 1 and q_tile * group > _MIN_SMALL_GRID_ROWS
            and batch * num_kv_heads * -(-window // q_tile) * max_splits < min_programs):
         q_tile //= 2
     # enough programs to cover the SMs twice, but no split where the unsplit grid already gives each SM about one:
     # LLaDA2 at batch 32 (128 programs) took 43.3 us with 2 splits, 30.6 with none (tools/bench_attention.py, H200)
     programs = batch * num_kv_heads * -(-window // q_tile)
-    num_splits = 1 if programs >= _MIN_PROGRAMS else max(1, min(-(-_TARGET_PROGRAMS // programs), max_splits))
+    num_splits = 1
+    if not batch_invariant and programs < _MIN_PROGRAMS:
+        num_splits = max(1, min(-(-_TARGET_PROGRAMS // programs), max_splits))
     # Triton's pipeliner prefetches loads behind one level of indirection (page id -> K/V rows) only
     # (num_stages - 1) // 2 tiles ahead: 5 stages keep two K/V tiles in flight, 3 or 4 stages only one. One
     # 8-warp program fills an SM's registers, so that prefetch depth is all that hides HBM latency.
@@ -561,12 +564,12 @@ def _paged_attention_pallas(q, k, v, k_pages, v_pages, layer, page_table, contex
 
 def _paged_attention_from_qkv_pallas(qkv, q_norm_weight, k_norm_weight, cos, sin, k_pages, v_pages, layer,
                                      page_table, context_lens, window_lens, *, num_heads, eps, tiling_overrides=None,
-                                     **kwargs):
+                                     batch_invariant=False, **kwargs):
     batch, window, _ = qkv.shape
     _, num_kv_heads, _, page_size, head_dim = k_pages.shape
     q_shape = (batch, window, num_heads, head_dim)
     tiling = _choose_tiling(jax.ShapeDtypeStruct(q_shape, qkv.dtype), page_size, page_table.shape[1], num_kv_heads,
-                            tiling_overrides, prologue=True)
+                            tiling_overrides, prologue=True, batch_invariant=batch_invariant)
     pool_rows = window_pool_rows(page_table, context_lens, window_lens, window, page_size)
     tokens = batch * window
     cos_rows, sin_rows = rope_rows(cos.reshape(tokens, -1), sin.reshape(tokens, -1), head_dim, qkv.dtype)
@@ -629,7 +632,8 @@ def paged_attention_from_qkv_reference(qkv, q_norm_weight, k_norm_weight, cos, s
 @functools.partial(jax.named_call, name="paged_attention")
 def paged_attention_from_qkv(qkv, q_norm_weight, k_norm_weight, cos, sin, k_pages, v_pages, layer, page_table,
                              context_lens, window_lens, *, num_heads, eps, block_size, sm_scale=None,
-                             sliding_window=None, logit_soft_cap=None, impl="auto", interpret=False):
+                             sliding_window=None, logit_soft_cap=None, impl="auto", interpret=False,
+                             batch_invariant=False):
     """`paged_attention` straight from the QKV projection: per-head RMSNorm of q and k and RoPE
     (`kernels/attention_prologue.py`), the window's K/V written into the pool, and attention, in one kernel.
 
@@ -638,6 +642,9 @@ def paged_attention_from_qkv(qkv, q_norm_weight, k_norm_weight, cos, sin, k_page
         [D]; cos, sin: f32[B, Q, R/2] RoPE tables of the window's positions (`rope_tables`).
       The pool, layer, page table and lengths as in `paged_attention`; the window's K/V go to the pool rows the page
       table gives their positions (`window_pool_rows`), placeholders past window_len write nothing.
+      batch_invariant: the Pallas kernel tiles every batch as a full grid (no narrowed query tiles, no split of the
+        keys), so a request's output has the same bits at any batch size, more slowly at small batches. The
+        reference attends each request alone already.
     Returns:
       ([B, Q, H, D] in qkv's dtype, k_pages, v_pages): under jit with the pool donated it is updated in place.
     """
@@ -663,5 +670,5 @@ def paged_attention_from_qkv(qkv, q_norm_weight, k_norm_weight, cos, sin, k_page
     if impl == "reference":
         return paged_attention_from_qkv_reference(*args, **kwargs)
     if impl == "pallas":
-        return _paged_attention_from_qkv_pallas(*args, interpret=interpret, **kwargs)
+        return _paged_attention_from_qkv_pallas(*args, interpret=interpret, batch_invariant=batch_invariant, **kwargs)
     raise ValueError(f"unknown attention impl {impl!r}; use 'auto', 'pallas' or 'reference'")

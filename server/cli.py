@@ -84,11 +84,14 @@ def build_parser() -> argparse.ArgumentParser:
         serve.add_argument(flag, type=kind, help=text)
     serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                        help="share KV pages of common prompt prefixes (default: on)")
+    serve.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                       help="a request's tokens the same alone or in any batch, bit for bit, at some speed "
+                            "(default: off)")
     return parser
 
 
 def engine_options(args: argparse.Namespace) -> dict:
-    names = [flag[2:].replace("-", "_") for flag, _, _ in ENGINE_FLAGS] + ["enable_prefix_caching"]
+    names = [flag[2:].replace("-", "_") for flag, _, _ in ENGINE_FLAGS] + ["enable_prefix_caching", "batch_invariant"]
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 

@@ -255,6 +255,9 @@ def main() -> None:
     parser.add_argument("--check-batch-invariance", action="store_true",
                         help="also decode the first prompt alone and report where its tokens first differ from the "
                         "batch's (batch sizes > 1)")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="the engine's batch_invariant mode (every GEMM, the attention and the experts tiled alike "
+                        "at any batch)")
     parser.add_argument("--json", help="append one JSON line per run to this file")
     args = parser.parse_args()
     if args.repeats < 1:
@@ -315,6 +318,7 @@ def main() -> None:
                            op_floor_ms=round(floor["op_floor_ms"], 3),
                            op_floor_ratio=round(result["ms_per_forward"] / floor["op_floor_ms"], 2),
                            quantization=args.quantization, qk_norm_scale=args.qk_norm_scale,
+                           batch_invariant=args.batch_invariant,
                            **{k: v for k, v in sampling.items() if k != "seed"}, **invariance)
             print(" | ".join(str(result[c]) for c in COLUMNS), flush=True)
             if args.json:
@@ -329,7 +333,8 @@ def make_llm(args, model_dir: pathlib.Path, max_batch: int) -> LLM:
     options = dict(decoding_strategy=args.strategy, dtype=args.dtype, max_num_seqs=max_batch,
                    max_model_len=max_model_len, max_num_batched_tokens=max_batch * padded_prompt,
                    quantization=args.quantization, num_pages=2 * max_batch * (-(-max_model_len // page_size) + 1),
-                   enable_prefix_caching=False)  # the timed pass repeats the warm-up's prompts: do all the work
+                   enable_prefix_caching=False,  # the timed pass repeats the warm-up's prompts: do all the work
+                   batch_invariant=args.batch_invariant)
     for name in ("block_size", "min_logit_rows"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)

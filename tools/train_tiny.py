@@ -142,8 +142,8 @@ class OneHotEmbedding(Embedding):
     bf16 table that XLA serialises on repeated tokens: 80% of an H200 step (87 of 109 ms); a GEMM's is a GEMM.
     It holds the same parameter as the model's Embedding, so checkpoints and serving are unchanged."""
 
-    def __init__(self, embedding: Embedding):  # adopts the table; attend (the tied LM head) is inherited
-        self.embedding = embedding.embedding
+    def __init__(self, embedding: Embedding):  # adopts the table and mode; attend (the tied LM head) is inherited
+        self.embedding, self.batch_invariant = embedding.embedding, embedding.batch_invariant
 
     def __call__(self, tokens):
         table = self.embedding[...]

@@ -120,6 +120,8 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len()
         model = load_model(model_dir, self.model_config, engine_config.dtype, random_init=random_weights,
                            quantization=engine_config.quantization)
+        if engine_config.batch_invariant:
+            model.set_attributes(batch_invariant=True)
         kv = self._allocate_pool(engine_config.num_pages or self._pages_that_fit(),
                                  sized_from_memory=engine_config.num_pages is None)
         num_pages = kv.k_pages.shape[2]

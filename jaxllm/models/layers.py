@@ -13,6 +13,7 @@ from flax import nnx
 from jax import lax
 
 from jaxllm.kernels.attention_prologue import qk_norm_rope, rms_norm, rms_row_scale, rope_tables
+from jaxllm.kernels.matmul import invariant_matmul
 from jaxllm.kernels.paged_attention import paged_attention_from_qkv
 
 
@@ -96,7 +97,7 @@ def rms_norm_matmul(x, norm_weight, eps, w):
     return (product * rms_row_scale(x.astype(jnp.float32), eps)).astype(x.dtype)
 
 
-def router_matmul(x, pieces):
+def router_matmul(x, pieces, batch_invariant=False):
     """x @ w to float32 accuracy, f32[..., N], from w's pieces bf16 [K, 3N] (`cut_router_weight`).
 
     bf16 x (LLaDA2's router reads the bf16 hidden states): one bf16 GEMM by the pieces with float32 accumulation;
@@ -104,7 +105,7 @@ def router_matmul(x, pieces):
     float64 product in the tests: three partial sums round separately). Every row count multiplies by the pieces;
     XLA may still pick a different GEMM (and order of additions) per row count, so batch 1 and larger batches give a
     token the same logits up to float32 rounding. float32 x (float32 models): w = hi + mid + lo (exact) and an
-    IEEE float32 product, as `matmul`.
+    IEEE float32 product, as `matmul`. batch_invariant: `invariant_matmul` multiplies instead of XLA's GEMM.
     The pieces are cut when the weights load, not in each forward. H200, the router alone (runs/s19/router_probe.py,
     2026-12-01, us per layer, 19 layers; float32 / cut in each call / cut beforehand): 32 rows 7.20 / 7.19 / 7.79,
     256 rows 16.75 / 13.02 / 9.81, 1024 rows 40.84 / 19.49 / 15.18: 3-4 us per MoE layer saved at batch 8 and 32,
@@ -113,22 +114,32 @@ def router_matmul(x, pieces):
     """
     if x.dtype == jnp.float32:
         hi, mid, lo = (p.astype(jnp.float32) for p in jnp.split(pieces, 3, axis=-1))
-        return matmul(x, hi + (mid + lo))
+        return invariant_matmul(x, hi + (mid + lo)) if batch_invariant else matmul(x, hi + (mid + lo))
     if x.dtype != jnp.bfloat16:
         raise ValueError(f"router_matmul takes bf16 or float32 x, got {x.dtype}")
-    out = jnp.dot(x, pieces, preferred_element_type=jnp.float32)
+    if batch_invariant:
+        out = invariant_matmul(x, pieces, out_dtype=jnp.float32)
+    else:
+        out = jnp.dot(x, pieces, preferred_element_type=jnp.float32)
     hi, mid, lo = jnp.split(out, 3, axis=-1)
     return hi + (mid + lo)  # the two small sums first: one rounding fewer at hi's scale
 
 
 class Linear(nnx.Module):
-    """y = x @ kernel, kernel [in, out] (HF stores [out, in]; the loader transposes)."""
+    """y = x @ kernel, kernel [in, out] (HF stores [out, in]; the loader transposes).
+
+    batch_invariant (every module that multiplies has it; the engine sets it with `set_attributes`): each row's
+    bits independent of the rows beside it (`invariant_matmul`, no row-scale shortcut at few rows).
+    """
 
     def __init__(self, in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs):
         self.kernel = normal_init(rngs, (in_features, out_features), dtype)
+        self.batch_invariant = False
 
     def __call__(self, x, norm: "RMSNorm | None" = None):
         """x @ kernel, or norm(x) @ kernel (`rms_norm_matmul` at few rows)."""
+        if self.batch_invariant:
+            return invariant_matmul(x if norm is None else norm(x), self.kernel[...])
         if norm is not None and x.size // x.shape[-1] <= _ROW_SCALE_MAX_ROWS:
             return rms_norm_matmul(x, norm.weight[...], norm.eps, self.kernel[...])
         return matmul(x if norm is None else norm(x), self.kernel[...])
@@ -170,6 +181,7 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype)
         self.o_proj = Linear(q_width, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        self.batch_invariant = False  # the attention kernel's tiles the same at any batch (see Linear)
 
     def __call__(self, x, kv: KVCache | None, layer, md: AttentionMetadata | DenseMetadata,
                  norm: RMSNorm | None = None):  # attends over norm(x) when a norm is given
@@ -186,7 +198,7 @@ class Attention(nnx.Module):
         out, k_pages, v_pages = paged_attention_from_qkv(
             qkv, *norm_weights, cos, sin, kv.k_pages, kv.v_pages, layer, md.page_table, md.context_lens,
             md.window_lens, num_heads=self.num_heads, eps=self.rms_norm_eps, block_size=md.block_size,
-            impl=md.attention_impl)
+            impl=md.attention_impl, batch_invariant=self.batch_invariant)
         return self.o_proj(out.reshape(batch, window, -1)), KVCache(k_pages, v_pages)
 
 
@@ -220,11 +232,14 @@ def run_layers(layers: nnx.List, x, kv: KVCache | None, md: AttentionMetadata | 
 class Embedding(nnx.Module):
     def __init__(self, vocab_size: int, hidden_size: int, *, dtype, rngs: nnx.Rngs):
         self.embedding = normal_init(rngs, (vocab_size, hidden_size), dtype)
+        self.batch_invariant = False  # the tied LM head (see Linear)
 
     def __call__(self, tokens):
         return jnp.take(self.embedding[...], tokens, axis=0)
 
-    def attend(self, x):  # tied LM head
+    def attend(self, x):  # tied LM head; batch-invariant, through a transposed copy of the table per call
+        if self.batch_invariant:
+            return invariant_matmul(x, self.embedding[...].T)
         return matmul(x, self.embedding[...].T)
 
 

@@ -70,21 +70,24 @@ class SparseMoE(nnx.Module):
         self.experts_down = normal_init(rngs, (moe.num_experts, width, cfg.hidden_size), dtype)
         self.shared_experts = (MLP(cfg.hidden_size, width * moe.num_shared_experts, dtype=dtype, rngs=rngs)
                                if moe.num_shared_experts else None)
+        self.batch_invariant = False  # the router's GEMM and the expert kernels (see layers.Linear)
 
     def __call__(self, x, norm: nnx.Module):  # experts over norm(x): the router and the kernels read it normalised
         x = norm(x)
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, expert_ids = route_grouped_sigmoid(
-            router_matmul(flat, self.router_pieces[...]), self.expert_bias[...], top_k=self.moe.num_experts_per_tok,
+            router_matmul(flat, self.router_pieces[...], self.batch_invariant), self.expert_bias[...],
+            top_k=self.moe.num_experts_per_tok,
             n_group=self.moe.n_group, topk_group=self.moe.topk_group,
             # as the reference gate: top-k weights normalised whenever top_k > 1, whatever norm_topk_prob says
             routed_scaling_factor=self.moe.routed_scaling_factor, norm_topk_prob=self.moe.num_experts_per_tok > 1)
         self.sow(nnx.Intermediate, "expert_ids", expert_ids)  # routing statistics; dead code unless popped
+        # the kernels may run the shared expert beside the routed ones
         shared = None if self.shared_experts is None else (self.shared_experts.gate_up_proj.kernel[...],
                                                           self.shared_experts.down_proj.kernel[...])
         out = moe_experts(flat, expert_ids, weights, self.experts_gate_up.get_value(), self.experts_down.get_value(),
-                          shared=shared)  # the kernels may run the shared expert beside the routed ones
+                          shared=shared, batch_invariant=self.batch_invariant)
         return out.reshape(shape)
 
 

@@ -18,6 +18,7 @@ import openai
 import pytest
 from tokenizers import Tokenizer
 
+from jaxllm.config import split_options
 from jaxllm.server import cli
 from jaxllm.server.app import create_app
 from jaxllm.server.protocol import SamplingDefaults, parse_chat_request, parse_completion_request
@@ -851,6 +852,16 @@ def test_serve_rejects_bad_flags_before_loading_anything(server, capsys):
             cli.main(argv)
         assert exit_info.value.code == 2
     assert "decoding_strategy" in capsys.readouterr().err
+
+
+def test_boolean_engine_flags_reach_the_engine_options_only_when_given():
+    def options(*flags):
+        return cli.engine_options(cli.build_parser().parse_args(["serve", *flags]))
+
+    assert options() == {}
+    assert options("--batch-invariant", "--no-enable-prefix-caching") == dict(batch_invariant=True,
+                                                                               enable_prefix_caching=False)
+    assert split_options(options("--batch-invariant"))[0].batch_invariant
 
 
 def test_serve_checks_its_flags_before_importing_jax_or_the_server():
