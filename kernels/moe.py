@@ -892,7 +892,11 @@ def _moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, *, fp8
                      interpret=interpret, shared=shared_down, num_shared_tiles=num_shared_tiles)  # [(S+R)*bm, H]
 
     routed = out_rows[num_shared_tiles * tiles.block_m + groups.assignment_row].astype(jnp.float32)  # [T, C, H]
-    out = jnp.sum(routed * expert_weights.astype(jnp.float32)[..., None], axis=1)
+    weighted = routed * expert_weights.astype(jnp.float32)[..., None]
+    if batch_invariant:  # the C terms added in order, element by element, where XLA's reduction may tile them
+        out = functools.reduce(jnp.add, [weighted[:, c] for c in range(weighted.shape[1])])
+    else:
+        out = jnp.sum(weighted, axis=1)
     if in_kernels:
         return (out + out_rows[:num_tokens].astype(jnp.float32)).astype(x.dtype)
     return _plus_shared(out, x, shared, batch_invariant).astype(x.dtype)

@@ -85,8 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                        help="share KV pages of common prompt prefixes (default: on)")
     serve.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
-                       help="a request's tokens the same alone or in any batch, bit for bit, at some speed "
-                            "(default: off)")
+                       help="the same arithmetic for a request alone or in any batch, so the same tokens, "
+                            "at some speed (default: off)")
     return parser
 
 

@@ -291,6 +291,27 @@ def test_a_shared_expert_runs_in_the_kernels_or_in_xla(name):
     assert outside_kernels.count("dot_general") == (0 if in_kernels else 2), outside_kernels
 
 
+def test_batch_invariant_kernels_give_a_token_the_same_bits_beside_any_tokens():
+    """The first 8 tokens alone (by default every-token tiles) and beside 92 or 1032 others (by default grouped and
+    half-height tiles; past 1024 tokens the shared expert in XLA). Without the mode the 100 tokens' rows differ."""
+    rng = np.random.default_rng(5)
+    x, ids, weights, w_gate_up, w_down = _case_arrays(rng, 1040, 4, 16, "random")
+    shared = (jnp.asarray(rng.normal(size=(HIDDEN, 2 * INTER)) / np.sqrt(HIDDEN), jnp.bfloat16),
+              jnp.asarray(rng.normal(size=(INTER, HIDDEN)) / np.sqrt(INTER), jnp.bfloat16))
+    args = (jnp.asarray(x, jnp.bfloat16), jnp.asarray(ids), jnp.asarray(weights), jnp.asarray(w_gate_up, jnp.bfloat16),
+            jnp.asarray(w_down, jnp.bfloat16))
+    run = jax.jit(lambda *a: moe_experts(*a, impl="pallas", interpret=INTERPRET, shared=shared, batch_invariant=True))
+    alone = np.asarray(run(*(a[:8] for a in args[:3]), *args[3:]), np.float32)
+    for num_tokens in (100, 1040):
+        beside = np.asarray(run(*(a[:num_tokens] for a in args[:3]), *args[3:]), np.float32)[:8]
+        np.testing.assert_array_equal(beside, alone, err_msg=f"{num_tokens} tokens")
+    f32 = [a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args]
+    ref = np.asarray(moe_experts(*(a[:8] for a in f32[:3]), *f32[3:], impl="reference",
+                                 shared=jax.tree.map(lambda w: w.astype(jnp.float32), shared)))
+    rtol, atol = _tolerance(jnp.bfloat16)
+    np.testing.assert_allclose(alone, ref, rtol=rtol, atol=atol * np.sqrt(np.mean(ref**2)))
+
+
 def test_shared_tiles_come_first_and_run_no_routed_expert():
     """The first S row tiles are the shared expert's: no routed expert there (a program would compute one and have
     its rows overwritten, costing a weight read), then the routed tiles in order, grouped or every-token."""
