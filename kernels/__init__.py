@@ -15,10 +15,15 @@ def is_power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def in_row_chunks(fn, *arrays, chunk):
+# rows per chunk of the batch-invariant references (`in_row_chunks`)
+INVARIANT_CHUNK_ROWS = 64
+
+
+def in_row_chunks(fn, *arrays, chunk=INVARIANT_CHUNK_ROWS):
     """fn over the arrays' rows (their leading axis) in chunks of `chunk` rows, one after another, the last padded
     with zeros; its outputs' padding rows are dropped. Every call of fn sees the same shapes at any row count, so
-    XLA runs the same computation on a row however many rows there are (the `batch_invariant` references)."""
+    XLA compiles fn once and a row's arithmetic inside it does not depend on how many rows there are (the
+    `batch_invariant` references)."""
     rows = arrays[0].shape[0]
     padded_rows = -(-rows // chunk) * chunk
 

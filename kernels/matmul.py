@@ -34,11 +34,11 @@ def _precision(dtype):
 
 
 def invariant_matmul_reference(x, w, out_dtype=None):
-    """x [M, K] @ w [K, N] in row chunks of BLOCK_M, accumulated in float32, rounded once to out_dtype (x's dtype by
-    default)."""
+    """x [M, K] @ w [K, N] in row chunks (`in_row_chunks`), accumulated in float32, rounded once to out_dtype (x's
+    dtype by default)."""
     w, out_dtype = w.astype(x.dtype), out_dtype or x.dtype
     return in_row_chunks(lambda chunk: jnp.dot(chunk, w, preferred_element_type=jnp.float32,
-                                               precision=_precision(x.dtype)).astype(out_dtype), x, chunk=BLOCK_M)
+                                               precision=_precision(x.dtype)).astype(out_dtype), x)
 
 
 def _matmul_kernel(x_ref, w_ref, out_ref, *, block_n, block_k):
@@ -61,10 +61,16 @@ def _fit_tile(dim, widest):
     return tile if tile >= 16 else None
 
 
+def _tiles(depth, width):
+    """(block_n, block_k) for w [K, N], or None where Triton cannot tile them."""
+    block_n, block_k = _fit_tile(width, _BLOCK_N), _fit_tile(depth, _BLOCK_K)
+    return None if block_n is None or block_k is None else (block_n, block_k)
+
+
 def _invariant_matmul_pallas(x, w, out_dtype, interpret):
     rows, depth = x.shape
     width = w.shape[1]
-    block_n, block_k = _fit_tile(width, _BLOCK_N), _fit_tile(depth, _BLOCK_K)
+    block_n, block_k = _tiles(depth, width)
     padded_rows = -(-rows // BLOCK_M) * BLOCK_M
     program = pallas_program(_matmul_kernel, jax.ShapeDtypeStruct((padded_rows, width), out_dtype),
                              (padded_rows // BLOCK_M, width // block_n), name="invariant_matmul",
@@ -75,8 +81,7 @@ def _invariant_matmul_pallas(x, w, out_dtype, interpret):
 
 def _default_impl(depth, width):
     """Pallas on the GPU where K and N take tiles of >= 16, the reference elsewhere."""
-    fits = _fit_tile(depth, _BLOCK_K) is not None and _fit_tile(width, _BLOCK_N) is not None
-    return "pallas" if jax.default_backend() == "gpu" and fits else "reference"
+    return "pallas" if jax.default_backend() == "gpu" and _tiles(depth, width) else "reference"
 
 
 @functools.partial(jax.named_call, name="invariant_matmul")
@@ -95,7 +100,7 @@ def invariant_matmul(x, w, *, out_dtype=None, impl="auto", interpret=False):
     if impl == "reference":
         out = invariant_matmul_reference(x.reshape(-1, depth), w, out_dtype)
     elif impl == "pallas":
-        if _fit_tile(depth, _BLOCK_K) is None or _fit_tile(width, _BLOCK_N) is None:
+        if _tiles(depth, width) is None:
             raise ValueError(f"the Pallas matmul needs K and N divisible by 16, got [{depth}, {width}]")
         out = _invariant_matmul_pallas(x.reshape(-1, depth), w, out_dtype, interpret)
     else:

@@ -132,12 +132,13 @@ def _route_grouped_sigmoid_pallas(router_logits, expert_bias, *, top_k, n_group,
 
 
 def route_grouped_sigmoid(router_logits, expert_bias, *, top_k, n_group, topk_group, routed_scaling_factor,
-                          norm_topk_prob, impl="auto", interpret=False):
+                          norm_topk_prob, impl="auto", interpret=False, batch_invariant=False):
     """f32[T, E] logits -> (f32[T, top_k] weights, i32[T, top_k] expert ids).
 
     impl: "auto" (the Pallas kernel on GPU where E, E / n_group, n_group and top_k are powers of two, as Triton's
     tensors must be; XLA elsewhere), "pallas" or "reference". On the GPU XLA runs the routing as ~7 kernels per
-    call, the kernel as one.
+    call, the kernel as one. batch_invariant: the reference on fixed chunks of tokens (`in_row_chunks`): XLA's CPU
+    code normalises a token's weights otherwise at 1024 tokens than at 64; the kernel takes one token per program.
     """
     kwargs = dict(top_k=top_k, n_group=n_group, topk_group=topk_group, routed_scaling_factor=routed_scaling_factor,
                   norm_topk_prob=norm_topk_prob)
@@ -152,6 +153,9 @@ def route_grouped_sigmoid(router_logits, expert_bias, *, top_k, n_group, topk_gr
     if impl == "auto":
         impl = "pallas" if jax.default_backend() == "gpu" and fits else "reference"
     if impl == "reference":
+        if batch_invariant:
+            return in_row_chunks(lambda logits: route_grouped_sigmoid_reference(logits, expert_bias, **kwargs),
+                                 router_logits)
         return route_grouped_sigmoid_reference(router_logits, expert_bias, **kwargs)
     if impl == "pallas":
         if not fits:
@@ -364,8 +368,8 @@ _SHARED_IN_KERNELS_MAX_TOKENS = 1024
 # the tensor-core work and output rows (at batch 32 of LLaDA2, ~32 rows per expert in 64-row tiles, about half the
 # tiles): LLaDA2 batch 32 13.60 -> 13.13 ms per forward on the H200, batch 8 unchanged (engine run 18).
 _HALF_TILE_MIN_BLOCK_M = 32
-# Tokens per chunk of the batch-invariant reference: each chunk reads every expert's weights.
-_INVARIANT_CHUNK_TOKENS = 64
+# The token count whose tiles the batch-invariant expert kernels take at every token count
+_INVARIANT_TILES_TOKENS = 1024
 
 
 def _group_by_expert(expert_ids, num_experts, block_m, method="auto", interpret=False):
@@ -858,7 +862,7 @@ def _moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, *, fp8
     if tiles is None:
         weights = ("fp8_activations" if fp8_activations else "upcast" if isinstance(w_gate_up, QuantizedWeight)
                    else "plain")
-        tiles = default_tiles(_SHARED_IN_KERNELS_MAX_TOKENS if batch_invariant else num_tokens, expert_ids.shape[1],
+        tiles = default_tiles(_INVARIANT_TILES_TOKENS if batch_invariant else num_tokens, expert_ids.shape[1],
                               num_experts, hidden, two_inter // 2, weights)
         if batch_invariant:  # the grid down kernel: the persistent one needs half-height tiles
             tiles = dataclasses.replace(tiles, persistent_down=False)
@@ -947,8 +951,8 @@ def moe_experts(x, expert_ids, expert_weights, w_gate_up, w_down, *, impl="auto"
         (and in the reference) it is computed in XLA (`_plus_shared`) and added to the routed output in float32.
       batch_invariant: a token's output has the same bits at any token count. The Pallas path then tiles every
         token count alike (full-height grouped tiles of 1024 tokens' tiling, the shared expert in its kernels, or
-        `invariant_matmul`), more slowly at small ones; the reference runs on chunks of 64 tokens
-        (`in_row_chunks`), each reading every expert's weights.
+        `invariant_matmul`), more slowly at small ones; the reference runs on chunks of INVARIANT_CHUNK_ROWS
+        tokens (`in_row_chunks`), each reading every expert's weights.
     """
     _check_inputs(x, expert_ids, expert_weights, w_gate_up, w_down, fp8_activations, shared)
     impl = _default_impl(x.shape[1], w_gate_up.shape[2] // 2) if impl == "auto" else impl
@@ -959,7 +963,7 @@ def moe_experts(x, expert_ids, expert_weights, w_gate_up, w_down, *, impl="auto"
             return _plus_shared(routed, x, shared)
 
         if batch_invariant:
-            return in_row_chunks(reference, x, expert_ids, expert_weights, chunk=_INVARIANT_CHUNK_TOKENS)
+            return in_row_chunks(reference, x, expert_ids, expert_weights)
         return reference(x, expert_ids, expert_weights)
     if impl == "pallas":
         return _moe_experts_pallas(x, expert_ids, expert_weights, w_gate_up, w_down, fp8_activations=fp8_activations,

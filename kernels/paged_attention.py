@@ -53,7 +53,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jaxllm.kernels import is_power_of_two
+from jaxllm.kernels import in_row_chunks, is_power_of_two
 from jaxllm.kernels.attention_prologue import qk_norm_rope, rope_rows, rotated_head_tile
 
 # JAX 0.11 warns at every Pallas-Triton lowering; this kernel is Triton by design (see jax-gpu.md), so silence
@@ -616,16 +616,34 @@ def paged_attention(q, k, v, k_pages, v_pages, layer, page_table, context_lens, 
 
 
 def paged_attention_from_qkv_reference(qkv, q_norm_weight, k_norm_weight, cos, sin, k_pages, v_pages, layer,
-                                       page_table, context_lens, window_lens, *, num_heads, eps, **kwargs):
-    """The XLA path of `paged_attention_from_qkv`: `qk_norm_rope`, `write_kv_pages`, `paged_attention_reference`."""
+                                       page_table, context_lens, window_lens, *, num_heads, eps, batch_invariant=False,
+                                       **kwargs):
+    """The XLA path of `paged_attention_from_qkv`: `qk_norm_rope`, `write_kv_pages`, `paged_attention_reference`.
+    batch_invariant: the norms and RoPE on fixed chunks of tokens and the attention one request at a time
+    (`in_row_chunks`), where XLA's CPU code for the whole batch rounds a token otherwise at 1024 tokens than at 64."""
     batch, window, _ = qkv.shape
     num_kv_heads, page_size = k_pages.shape[1], k_pages.shape[3]
-    q, k, v = qk_norm_rope(qkv, q_norm_weight, k_norm_weight, cos, sin, num_heads=num_heads,
-                           num_kv_heads=num_kv_heads, eps=eps)
+
+    def norm_rope(qkv, cos, sin):
+        return qk_norm_rope(qkv, q_norm_weight, k_norm_weight, cos, sin, num_heads=num_heads,
+                            num_kv_heads=num_kv_heads, eps=eps)
+
+    if batch_invariant:
+        tokens = batch * window
+        q, k, v = jax.tree.map(lambda a: a.reshape(batch, window, *a.shape[1:]), in_row_chunks(
+            norm_rope, qkv.reshape(tokens, -1), cos.reshape(tokens, -1), sin.reshape(tokens, -1)))
+    else:
+        q, k, v = norm_rope(qkv, cos, sin)
     pool_rows = window_pool_rows(page_table, context_lens, window_lens, window, page_size)
     k_pages, v_pages = write_kv_pages(k_pages, v_pages, layer, k.reshape(batch * window, *k.shape[2:]),
                                       v.reshape(batch * window, *v.shape[2:]), pool_rows)
-    out = paged_attention_reference(q, k, v, k_pages, v_pages, layer, page_table, context_lens, window_lens, **kwargs)
+
+    def attend(q, k, v, page_table, context_lens, window_lens):
+        return paged_attention_reference(q, k, v, k_pages, v_pages, layer, page_table, context_lens, window_lens,
+                                         **kwargs)
+
+    args = (q, k, v, page_table, context_lens, window_lens)
+    out = in_row_chunks(attend, *args, chunk=1) if batch_invariant else attend(*args)
     return out, k_pages, v_pages
 
 
@@ -642,9 +660,9 @@ def paged_attention_from_qkv(qkv, q_norm_weight, k_norm_weight, cos, sin, k_page
         [D]; cos, sin: f32[B, Q, R/2] RoPE tables of the window's positions (`rope_tables`).
       The pool, layer, page table and lengths as in `paged_attention`; the window's K/V go to the pool rows the page
       table gives their positions (`window_pool_rows`), placeholders past window_len write nothing.
-      batch_invariant: the Pallas kernel tiles every batch as a full grid (no narrowed query tiles, no split of the
-        keys), so a request's output has the same bits at any batch size, more slowly at small batches. The
-        reference attends each request alone already.
+      batch_invariant: a request's output has the same bits at any batch size: the Pallas kernel tiles every batch
+        as a full grid (no narrowed query tiles, no split of the keys), more slowly at small batches; the reference
+        runs in fixed chunks (`paged_attention_from_qkv_reference`).
     Returns:
       ([B, Q, H, D] in qkv's dtype, k_pages, v_pages): under jit with the pool donated it is updated in place.
     """
@@ -668,7 +686,7 @@ def paged_attention_from_qkv(qkv, q_norm_weight, k_norm_weight, cos, sin, k_page
     kwargs = {"num_heads": num_heads, "eps": eps, "block_size": block_size, "sm_scale": sm_scale,
               "sliding_window": sliding_window, "logit_soft_cap": logit_soft_cap}
     if impl == "reference":
-        return paged_attention_from_qkv_reference(*args, **kwargs)
+        return paged_attention_from_qkv_reference(*args, batch_invariant=batch_invariant, **kwargs)
     if impl == "pallas":
         return _paged_attention_from_qkv_pallas(*args, interpret=interpret, batch_invariant=batch_invariant, **kwargs)
     raise ValueError(f"unknown attention impl {impl!r}; use 'auto', 'pallas' or 'reference'")

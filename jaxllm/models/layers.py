@@ -138,11 +138,10 @@ class Linear(nnx.Module):
 
     def __call__(self, x, norm: "RMSNorm | None" = None):
         """x @ kernel, or norm(x) @ kernel (`rms_norm_matmul` at few rows)."""
-        if self.batch_invariant:
-            return invariant_matmul(x if norm is None else norm(x), self.kernel[...])
-        if norm is not None and x.size // x.shape[-1] <= _ROW_SCALE_MAX_ROWS:
+        if norm is not None and not self.batch_invariant and x.size // x.shape[-1] <= _ROW_SCALE_MAX_ROWS:
             return rms_norm_matmul(x, norm.weight[...], norm.eps, self.kernel[...])
-        return matmul(x if norm is None else norm(x), self.kernel[...])
+        product = invariant_matmul if self.batch_invariant else matmul
+        return product(x if norm is None else norm(x), self.kernel[...])
 
 
 class RMSNorm(nnx.Module):
@@ -237,10 +236,8 @@ class Embedding(nnx.Module):
     def __call__(self, tokens):
         return jnp.take(self.embedding[...], tokens, axis=0)
 
-    def attend(self, x):  # tied LM head; batch-invariant, through a transposed copy of the table per call
-        if self.batch_invariant:
-            return invariant_matmul(x, self.embedding[...].T)
-        return matmul(x, self.embedding[...].T)
+    def attend(self, x):  # tied LM head; in batch_invariant mode through a transposed copy of the table per call
+        return (invariant_matmul if self.batch_invariant else matmul)(x, self.embedding[...].T)
 
 
 class DecoderLM(nnx.Module):

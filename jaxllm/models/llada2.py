@@ -77,9 +77,9 @@ class SparseMoE(nnx.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, expert_ids = route_grouped_sigmoid(
-            router_matmul(flat, self.router_pieces[...], self.batch_invariant), self.expert_bias[...],
-            top_k=self.moe.num_experts_per_tok,
-            n_group=self.moe.n_group, topk_group=self.moe.topk_group,
+            router_matmul(flat, self.router_pieces[...], batch_invariant=self.batch_invariant), self.expert_bias[...],
+            top_k=self.moe.num_experts_per_tok, n_group=self.moe.n_group, topk_group=self.moe.topk_group,
+            batch_invariant=self.batch_invariant,
             # as the reference gate: top-k weights normalised whenever top_k > 1, whatever norm_topk_prob says
             routed_scaling_factor=self.moe.routed_scaling_factor, norm_topk_prob=self.moe.num_experts_per_tok > 1)
         self.sow(nnx.Intermediate, "expert_ids", expert_ids)  # routing statistics; dead code unless popped

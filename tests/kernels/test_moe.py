@@ -293,7 +293,9 @@ def test_a_shared_expert_runs_in_the_kernels_or_in_xla(name):
 
 def test_batch_invariant_kernels_give_a_token_the_same_bits_beside_any_tokens():
     """The first 8 tokens alone (by default every-token tiles) and beside 92 or 1032 others (by default grouped and
-    half-height tiles; past 1024 tokens the shared expert in XLA). Without the mode the 100 tokens' rows differ."""
+    half-height tiles; past 1024 tokens the shared expert in XLA). Without the mode the 1040 tokens' rows differ
+    here; the 100 tokens' do not (interpret mode's CPU products keep a row's bits at any tile height, where the
+    GPU's need not)."""
     rng = np.random.default_rng(5)
     x, ids, weights, w_gate_up, w_down = _case_arrays(rng, 1040, 4, 16, "random")
     shared = (jnp.asarray(rng.normal(size=(HIDDEN, 2 * INTER)) / np.sqrt(HIDDEN), jnp.bfloat16),
