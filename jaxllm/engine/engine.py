@@ -122,6 +122,10 @@ class LLMEngine:
                            quantization=engine_config.quantization)
         if engine_config.batch_invariant:
             model.set_attributes(batch_invariant=True)
+            if engine_config.enable_prefix_caching:
+                logger.warning("batch_invariant: a prompt prefilled after a prefix-cache hit, or in parts, rounds "
+                               "otherwise than one prefilled whole; turn prefix caching off for the same tokens in "
+                               "any batch, and give max_num_batched_tokens room for whole prompts")
         kv = self._allocate_pool(engine_config.num_pages or self._pages_that_fit(),
                                  sized_from_memory=engine_config.num_pages is None)
         num_pages = kv.k_pages.shape[2]

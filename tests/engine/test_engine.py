@@ -70,6 +70,14 @@ def test_batch_invariant_mode_gives_a_prompt_the_same_tokens_in_bf16_alone_or_in
     assert batched[1].token_ids != alone
 
 
+def test_batch_invariant_mode_warns_while_prefix_caching_is_on(checkpoints, caplog):
+    LLM(checkpoints("sdar"), batch_invariant=True, **OPTIONS)
+    assert "batch_invariant: a prompt prefilled after a prefix-cache hit" in caplog.text
+    caplog.clear()
+    LLM(checkpoints("sdar"), batch_invariant=True, enable_prefix_caching=False, **OPTIONS)
+    assert "batch_invariant" not in caplog.text
+
+
 @pytest.mark.parametrize("blocks_in_flight", [1, 3])
 def test_preempted_requests_give_the_same_output(checkpoints, blocks_in_flight):
     """Seeded sampling on the plain random model (the confident one is all but greedy): preempted mid-window, a
