@@ -211,9 +211,9 @@ class EngineConfig:
     mask_token_id: int | None = None  # override the checkpoint's mask id
     seed: int = 0  # draws seeds for requests that bring none
     # a request's arithmetic the same alone or in any batch, so its tokens are too, in bf16 as well: every GEMM, the
-    # attention and the expert kernels tiled alike at any row count (kernels/matmul.py); for prompts prefilled whole
-    # and uncached (a prompt prefilled in parts rounds otherwise). LLaDA2 batch 32 +9% on the H200, where LLaDA2
-    # still decoded differently alone (BENCHMARKS.md run 48)
+    # attention and the expert kernels tiled alike at any row count (kernels/matmul.py, kernels/rms_norm.py); for
+    # prompts prefilled whole and uncached (a prompt prefilled in parts rounds otherwise). LLaDA2 on the H100: +27% at
+    # batch 1, +11% at batch 32 (BENCHMARKS.md run 49)
     batch_invariant: bool = False
 
     def __post_init__(self):

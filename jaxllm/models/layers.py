@@ -15,6 +15,7 @@ from jax import lax
 from jaxllm.kernels.attention_prologue import qk_norm_rope, rms_norm, rms_row_scale, rope_tables
 from jaxllm.kernels.matmul import invariant_matmul
 from jaxllm.kernels.paged_attention import paged_attention_from_qkv
+from jaxllm.kernels.rms_norm import invariant_rms_norm
 
 
 @jax.tree_util.register_dataclass
@@ -145,12 +146,15 @@ class Linear(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
+    """batch_invariant: `invariant_rms_norm`, each row normalised alike at any row count (XLA's fused norm is not)."""
+
     def __init__(self, dim: int, eps: float, *, dtype):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
         self.eps = eps
+        self.batch_invariant = False
 
     def __call__(self, x):
-        return rms_norm(x, self.weight[...], self.eps)
+        return (invariant_rms_norm if self.batch_invariant else rms_norm)(x, self.weight[...], self.eps)
 
 
 class MLP(nnx.Module):
