@@ -7,11 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh
 
 from jaxllm import sampling
 from jaxllm.kernels.top_k_top_p import filter_threshold, kept_segments
 from jaxllm.sampling import SamplingParams, propose
+from tests.cuda_lowering import lowered_for_h100
 
 
 def run(logits, seeds, temperature, top_k=-1, top_p=1.0, positions=None, allowed=None, dtype=jnp.float32):
@@ -175,15 +175,11 @@ def test_propose_lowers_for_the_gpu_without_a_sort_or_a_float_sum_in_xla(batch, 
     branch's sum for the confidences: with XLA's sum there, the batch-invariance tests above failed on the H200
     (inferred to be that sum, whose order XLA chooses; the sampler's other reductions are exact or in a fixed
     order)."""
-    mesh = AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu",
-                                                               num_cores=132))
     window, vocab = 32, 157184
     shapes = [((batch, window, vocab), dtype), ((batch,), jnp.uint32), ((batch, window), jnp.int32),
               ((batch, window), jnp.int32), ((batch,), jnp.float32), ((batch,), jnp.int32), ((batch,), jnp.float32),
               ((vocab,), jnp.bool_)]
-    with jax.sharding.use_abstract_mesh(mesh):
-        text = jax.jit(propose).trace(*(jax.ShapeDtypeStruct(*s) for s in shapes)).lower(
-            lowering_platforms=("cuda",)).as_text()
+    text = lowered_for_h100(jax.jit(propose), *(jax.ShapeDtypeStruct(*s) for s in shapes))
     assert "stablehlo.sort" not in text
     assert text.count("stablehlo.custom_call") == text.count("__gpu$xla.gpu.triton") == 1 + 2 * 8 + 2
     assert not re.findall(r"applies stablehlo.add across dimensions = \[[0-9, ]+\] : \(tensor<[0-9x]+xf32>", text)

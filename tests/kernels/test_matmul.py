@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from jaxllm.kernels.matmul import BLOCK_M, invariant_matmul
+from tests.cuda_lowering import lowered_for_h100
 
 INTERPRET = jax.default_backend() != "gpu"
 PALLAS = dict(impl="pallas", interpret=INTERPRET)
@@ -69,8 +70,5 @@ def test_kernel_lowers_to_triton_for_cuda():
     """Pallas -> Triton IR on the CPU at an LM head's shape (a vocabulary that is not a power of two)."""
     spec = jax.ShapeDtypeStruct
     product = jax.jit(lambda x, w: invariant_matmul(x, w, impl="pallas"))
-    h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132)
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=h100)):
-        hlo = product.trace(spec((1000, 2048), jnp.bfloat16), spec((2048, 157184), jnp.bfloat16)).lower(
-            lowering_platforms=("cuda",)).as_text()
+    hlo = lowered_for_h100(product, spec((1000, 2048), jnp.bfloat16), spec((2048, 157184), jnp.bfloat16))
     assert hlo.count("__gpu$xla.gpu.triton") == 1

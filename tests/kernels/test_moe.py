@@ -13,12 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental import pallas as pl
-from jax.sharding import AbstractDevice, AbstractMesh
 
 from jaxllm.kernels.moe import (
+    _PALLAS_GROUPING_MAX_ASSIGNMENTS,
     GemmTiles,
     MoeTiles,
-    _PALLAS_GROUPING_MAX_ASSIGNMENTS,
     _group_by_expert,
     _num_row_tiles,
     _plus_shared,
@@ -31,6 +30,7 @@ from jaxllm.kernels.moe import (
     route_softmax_topk,
 )
 from jaxllm.quantization import QuantizedWeight, dequantize, quantize
+from tests.cuda_lowering import lowered_for_h100
 
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU
@@ -480,8 +480,6 @@ def test_full_size_layer_lowers_to_triton_for_cuda(num_tokens):
     the grouping holds no sort at any size (XLA:GPU runs large sorts as library calls, which split the denoising
     loop's CUDA graph)."""
     experts, hidden, inter, top_k = 256, 2048, 512, 8
-    mesh = AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu",
-                                                               num_cores=132))
     for mode, fp8_activations, channel_major in (("bf16", False, False), ("int8", False, False),
                                                  ("int8", False, True), ("fp8", False, True), ("fp8", True, True)):
         run = jax.jit(lambda *a, fp8=fp8_activations: moe_experts(*a[:5], impl="pallas", fp8_activations=fp8,
@@ -494,8 +492,7 @@ def test_full_size_layer_lowers_to_triton_for_cuda(num_tokens):
                 # a shared expert: in the kernels up to 1024 tokens of plain weights, in XLA otherwise
                 jax.ShapeDtypeStruct((hidden, 2 * inter), jnp.bfloat16), jax.ShapeDtypeStruct((inter, hidden),
                                                                                              jnp.bfloat16))
-        with jax.sharding.use_abstract_mesh(mesh):
-            text = run.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        text = lowered_for_h100(run, *args)
         weights = "plain" if mode == "bf16" else "fp8_activations" if fp8_activations else "upcast"
         grouped = num_tokens > default_tiles(num_tokens, top_k, experts, hidden, inter, weights).block_m
         # the expert kernels, and where the tokens do not fit one row tile the two grouping kernels up to a decode
@@ -706,11 +703,8 @@ def test_pallas_router_matches_reference(name):
 
 
 def test_router_lowers_to_triton_for_cuda():
-    mesh = AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu",
-                                                               num_cores=132))
     route = jax.jit(functools.partial(route_grouped_sigmoid, top_k=8, n_group=8, topk_group=4,
                                       routed_scaling_factor=2.5, norm_topk_prob=True, impl="pallas"))
-    with jax.sharding.use_abstract_mesh(mesh):
-        text = route.trace(jax.ShapeDtypeStruct((32, 256), jnp.float32),
-                           jax.ShapeDtypeStruct((256,), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+    text = lowered_for_h100(route, jax.ShapeDtypeStruct((32, 256), jnp.float32),
+                            jax.ShapeDtypeStruct((256,), jnp.float32))
     assert text.count("__gpu$xla.gpu.triton") == 1

@@ -22,6 +22,7 @@ import pytest
 
 from jaxllm.kernels import paged_attention as pa
 from jaxllm.kernels.attention_prologue import rope_tables
+from tests.cuda_lowering import lowered_for_h100
 from tools.bench_attention import median_seconds
 
 INTERPRET = jax.default_backend() != "gpu"
@@ -303,9 +304,7 @@ def test_kernel_lowers_to_triton_for_cuda(name):
             spec((batch, width), jnp.int32), spec((batch,), jnp.int32), spec((batch,), jnp.int32))
     attention = jax.jit(lambda *a: pa.paged_attention(*a, block_size=min(32, window), impl="pallas",
                                                       **kwargs))
-    h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132)
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=h100)):
-        hlo = attention.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    hlo = lowered_for_h100(attention, *args)
     assert hlo.count("__gpu$xla.gpu.triton") == 1
 
 
@@ -331,9 +330,7 @@ def test_from_qkv_lowers_to_triton_for_cuda(name):
     heads = QKV_LOWERED[name][2]
     attention = jax.jit(lambda *a: pa.paged_attention_from_qkv(*a, num_heads=heads, eps=1e-6, block_size=32,
                                                                impl="pallas"), donate_argnums=(5, 6))
-    h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132)
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=h100)):
-        hlo = attention.trace(*qkv_specs(*QKV_LOWERED[name])).lower(lowering_platforms=("cuda",)).as_text()
+    hlo = lowered_for_h100(attention, *qkv_specs(*QKV_LOWERED[name]))
     assert hlo.count("__gpu$xla.gpu.triton") == 1
 
 

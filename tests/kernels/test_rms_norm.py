@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from jaxllm.kernels.rms_norm import invariant_rms_norm
+from tests.cuda_lowering import lowered_for_h100
 
 INTERPRET = jax.default_backend() != "gpu"
 PALLAS = dict(impl="pallas", interpret=INTERPRET)
@@ -63,8 +64,5 @@ def test_leading_axes_are_kept_and_bad_shapes_refused():
 def test_kernel_lowers_to_triton_for_cuda():
     spec = jax.ShapeDtypeStruct
     norm = jax.jit(lambda x, w: invariant_rms_norm(x, w, EPS, impl="pallas"))
-    h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132)
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=h100)):
-        hlo = norm.trace(spec((1024, 2048), jnp.bfloat16), spec((2048,), jnp.bfloat16)).lower(
-            lowering_platforms=("cuda",)).as_text()
+    hlo = lowered_for_h100(norm, spec((1024, 2048), jnp.bfloat16), spec((2048,), jnp.bfloat16))
     assert hlo.count("__gpu$xla.gpu.triton") == 1

@@ -9,10 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh
 
 from jaxllm.kernels import top_k_top_p
 from jaxllm.kernels.top_k_top_p import filter_threshold, kept_segments, order_keys
+from tests.cuda_lowering import lowered_for_h100
 
 
 def _kept(thresholds, logits, top_k, top_p):
@@ -101,10 +101,7 @@ def test_auto_runs_the_sort_off_the_gpu_and_the_kernel_on_it():
     settings = (jax.ShapeDtypeStruct((64,), jnp.int32), jax.ShapeDtypeStruct((64,), jnp.float32))
     here = jax.jit(filter_threshold).trace(logits, *settings).lower(lowering_platforms=("cpu",)).as_text()
     assert "stablehlo.sort" in here and "triton" not in here
-    mesh = AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu",
-                                                               num_cores=132))
-    with jax.sharding.use_abstract_mesh(mesh):
-        gpu = jax.jit(filter_threshold).trace(logits, *settings).lower(lowering_platforms=("cuda",)).as_text()
+    gpu = lowered_for_h100(jax.jit(filter_threshold), logits, *settings)
     # the maximum's pass, then 32 / 4 passes per filter (bits=4)
     assert "stablehlo.sort" not in gpu and gpu.count("__gpu$xla.gpu.triton") == 1 + 2 * 8
 
@@ -159,10 +156,7 @@ def test_more_logits_than_int32_offsets_reach_run_as_blocks_of_rows(monkeypatch)
     settings = (jax.ShapeDtypeStruct((16384,), jnp.int32), jax.ShapeDtypeStruct((16384,), jnp.float32))
     assert "stablehlo.sort" in jax.jit(filter_threshold).trace(logits, *settings).lower(
         lowering_platforms=("cpu",)).as_text()
-    mesh = AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu",
-                                                               num_cores=132))
-    with jax.sharding.use_abstract_mesh(mesh):
-        gpu = jax.jit(filter_threshold).trace(logits, *settings).lower(lowering_platforms=("cuda",)).as_text()
+    gpu = lowered_for_h100(jax.jit(filter_threshold), logits, *settings)
     assert gpu.count("__gpu$xla.gpu.triton") == 2 * (1 + 2 * 8)
 
 
