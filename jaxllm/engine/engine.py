@@ -210,7 +210,11 @@ class LLMEngine:
                     raise ConfigError(f"the device cannot hold {needed}: lower num_pages or "
                                       f"gpu_memory_utilization") from error
                 num_pages = max(num_pages * 9 // 10, 1)  # the refused arrays are freed as this block ends
-                logger.warning("the device refused %s; trying %d pages", needed, num_pages)
+                # each refusal waits ~10 s per array in XLA's allocator for memory to be freed: a pool sized for a
+                # device that another process shares takes minutes to shrink (BENCHMARKS.md, run 50)
+                logger.warning("the device refused %s; trying %d pages (another process on the device? "
+                               "--num-pages or a lower --gpu-memory-utilization asks for less at once)",
+                               needed, num_pages)
 
     def _make_runner(self, model, kv: KVCache) -> ModelRunner:
         cfg = self.model_config

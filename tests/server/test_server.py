@@ -30,10 +30,12 @@ MODEL = "tiny-sdar"
 MAX_MODEL_LEN = 64
 MAX_NUM_SEQS = 4
 # small shapes so warm-up compiles four buckets: batch 1, 2, 4 decode at one page-table width, one prefill chunk
+# and 32 pages, every sequence at full length: sized from a GPU's memory, each of the test's servers would claim
+# the card, and the next one started waits minutes for the allocator to refuse it (BENCHMARKS.md, run 50)
 SERVER_FLAGS = ["--served-model-name", MODEL, "--max-num-seqs", str(MAX_NUM_SEQS), "--max-model-len",
                 str(MAX_MODEL_LEN), "--block-size", "4", "--page-size", "8", "--max-num-batched-tokens", "16",
                 "--dtype", "float32", "--max-waiting-requests", "256", "--sse-keepalive-interval", "0.02",
-                "--api-key", API_KEY, "--log-level", "warning"]
+                "--num-pages", "32", "--api-key", API_KEY, "--log-level", "warning"]
 SMALL_POOL_PAGES = 4  # 32 tokens of KV pool at page size 8, fewer than MAX_MODEL_LEN
 STARTUP_TIMEOUT_S = 300
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -524,26 +526,26 @@ def test_a_disconnected_stream_is_aborted_and_its_pages_freed(server):
     aborted = scrape(server.url)[ABORTED]
     long_request = {"model": MODEL, "prompt": "x", "max_tokens": 56, "ignore_eos": True}
 
-    async def scenario() -> tuple[int, float]:
+    async def scenario() -> float:
         async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=60) as session:
             blockers = [asyncio.create_task(session.post("/v1/completions", json=long_request)) for _ in range(4)]
-            while scrape(server.url)["jaxllm:num_requests_running"] < MAX_NUM_SEQS:
+            # one scrape for both: on a GPU the blockers may be gone by the next
+            while (sample := scrape(server.url))["jaxllm:num_requests_running"] < MAX_NUM_SEQS:
                 await asyncio.sleep(0.002)
-            usage_of_the_blockers = scrape(server.url)[KV_USAGE]
+            usage_of_the_blockers = sample[KV_USAGE]
             # every slot is taken: this stream waits in the queue, then runs (holding pages of its own); leave at its
             # first block, at once: the 13 blocks it has left must not finish before the server sees it gone (with a
             # metrics scrape here the abort went uncounted once on a loaded machine, most likely so)
+            # its keep-alive pings while it waits go uncounted: on a GPU the blockers may end within one interval (the
+            # fake engine's tests count them)
             async with session.stream("POST", "/v1/completions", json={**long_request, "stream": True}) as stream:
-                pings = 0
                 async for line in stream.aiter_lines():
-                    pings += line.startswith(":")
                     if line.startswith("data: "):
                         break
             assert all(r.status_code == 200 for r in await asyncio.gather(*blockers))
-            return pings, usage_of_the_blockers
+            return usage_of_the_blockers
 
-    pings, usage_of_the_blockers = asyncio.run(scenario())
-    assert pings >= 1  # keep-alive comments while it was queued
+    usage_of_the_blockers = asyncio.run(scenario())
     assert usage_of_the_blockers > 0  # so the idle pool below is pages returned, not pages never taken
     samples = wait_for_idle_pool(server.url)
     assert samples[ABORTED] == aborted + 1
