@@ -50,8 +50,8 @@ class ModelConfig:
 
 def transformer_config(hf_config: dict, model_type: str, *, partial_rotary_factor: float, block_size: int,
                        default_head_dim: int | None = None, moe: MoEConfig | None = None) -> ModelConfig:
-    """The fields every supported decoder reads the same way; the defaults are the model family's (default_head_dim None:
-    hidden_size / num_attention_heads when config.json leaves it out)."""
+    """The fields every supported decoder reads the same way; the defaults are the model family's (default_head_dim
+    None: hidden_size / num_attention_heads when config.json leaves it out)."""
     def field(name):
         return hf_field(hf_config, name, model_type)
 

@@ -16,8 +16,8 @@ from sanic import Request, Sanic, response
 from sanic.exceptions import SanicException
 
 from jaxllm.engine.engine import LLMEngine
-from jaxllm.server.engine_loop import EngineLoop, not_ready_error
 from jaxllm.server import DEFAULT_RESPONSE_TIMEOUT_S, DEFAULT_SSE_KEEPALIVE_S, check_sse_keepalive
+from jaxllm.server.engine_loop import EngineLoop, not_ready_error
 from jaxllm.server.generation import ServingState, handle_generation
 from jaxllm.server.metrics import ServerMetrics
 from jaxllm.server.protocol import APIError, SamplingDefaults, check_model, internal_error

@@ -54,7 +54,8 @@ def test_threshold_always_commits_the_most_confident_mask():
     assert tokens_of(new) == [M, 6, M, M]
 
 
-@pytest.mark.parametrize("cfg", [DecodingConfig("threshold", threshold=0.9), DecodingConfig("fixed_steps", denoising_steps=BLOCK),
+@pytest.mark.parametrize("cfg", [DecodingConfig("threshold", threshold=0.9),
+                                 DecodingConfig("fixed_steps", denoising_steps=BLOCK),
                                  DecodingConfig("joint_threshold", threshold=0.9, editing_threshold=0.9)],
                          ids=lambda cfg: cfg.strategy)
 @pytest.mark.parametrize("bad", [np.nan, -np.inf])

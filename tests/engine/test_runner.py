@@ -7,8 +7,7 @@ import pytest
 
 from jaxllm.config import DecodingConfig
 from jaxllm.decoding import WindowState
-from jaxllm.engine.runner import (RoundInputs, StepSpec, logit_row_buckets, proposals_at_read_positions,
-                                  read_row_inputs)
+from jaxllm.engine.runner import RoundInputs, StepSpec, logit_row_buckets, proposals_at_read_positions, read_row_inputs
 from jaxllm.sampling import propose
 
 
@@ -116,9 +115,9 @@ def test_the_confidence_a_strategy_ranks_by(strategy, softmax_temperature):
                     num_real_tokens=vocab - 1, min_logit_rows=1)
     state = WindowState(jnp.full((batch, window), vocab - 1, jnp.int32), jnp.zeros((batch, window), bool),
                         jnp.ones(batch, jnp.int32), *(jnp.zeros((batch, 1), jnp.int32),) * 3)
-    inputs = RoundInputs(state, jnp.zeros(batch, jnp.int32), jnp.zeros((batch, 1), jnp.int32), jnp.ones(batch, jnp.int32),
-                         jnp.array([4], jnp.uint32), jnp.full(batch, 0.5, jnp.float32), jnp.full(batch, -1, jnp.int32),
-                         jnp.ones(batch, jnp.float32), jnp.int32(1))
+    inputs = RoundInputs(state, jnp.zeros(batch, jnp.int32), jnp.zeros((batch, 1), jnp.int32),
+                         jnp.ones(batch, jnp.int32), jnp.array([4], jnp.uint32), jnp.full(batch, 0.5, jnp.float32),
+                         jnp.full(batch, -1, jnp.int32), jnp.ones(batch, jnp.float32), jnp.int32(1))
     positions = jnp.arange(window, dtype=jnp.int32)[None]
     hidden = jnp.arange(window, dtype=jnp.float32).reshape(batch, window, 1)
     rows = read_row_inputs(inputs, positions, spec=spec)
