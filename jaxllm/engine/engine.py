@@ -122,10 +122,6 @@ class LLMEngine:
                            quantization=engine_config.quantization)
         if engine_config.batch_invariant:
             model.set_attributes(batch_invariant=True)
-            if engine_config.enable_prefix_caching:
-                logger.warning("batch_invariant: a prompt prefilled after a prefix-cache hit, or in parts, rounds "
-                               "otherwise than one prefilled whole; turn prefix caching off for the same tokens in "
-                               "any batch, and give max_num_batched_tokens room for whole prompts")
         kv = self._allocate_pool(engine_config.num_pages or self._pages_that_fit(),
                                  sized_from_memory=engine_config.num_pages is None)
         num_pages = kv.k_pages.shape[2]
@@ -244,7 +240,7 @@ class LLMEngine:
             max_num_seqs=self.config.max_num_seqs, max_model_len=self.max_model_len,
             max_num_batched_tokens=self.runner.max_num_batched_tokens, mask_token_id=self.mask_token_id,
             eos_token_ids=self.eos_token_ids, prefill_shapes=tuple(self.runner.prefill_shapes()),
-            enable_prefix_caching=self.config.enable_prefix_caching)
+            enable_prefix_caching=self.config.enable_prefix_caching, fixed_prefill_chunks=self.config.batch_invariant)
 
     def warmup(self, *, strict: bool = False) -> dict[str, float]:
         """Compile every bucket now (progress bar, seconds per bucket); later compilations log, or raise if strict."""

@@ -8,6 +8,7 @@ output, with the same block alignment, so its output does not change.
 
 import collections
 import dataclasses
+import math
 import time
 
 import numpy as np
@@ -28,10 +29,21 @@ class SchedulerConfig:
     eos_token_ids: tuple[int, ...]
     prefill_shapes: tuple[tuple[int, int], ...]  # compiled (batch, chunk) shapes a prefill step must fit
     enable_prefix_caching: bool = True
+    # batch_invariant: a prompt splits at multiples of the longest chunk (max_chunk(1)) from its start, each piece
+    # whole in one step, and takes cached pages only up to such a boundary, so it splits as it would alone (where it
+    # splits changes the attention's arithmetic)
+    fixed_prefill_chunks: bool = False
 
     def max_chunk(self, num_requests: int) -> int:
         """The longest chunk a prefill step of num_requests can pad to (0: none fits)."""
         return max((chunk for batch, chunk in self.prefill_shapes if batch >= num_requests), default=0)
+
+    @property
+    def cached_pages_multiple(self) -> int:
+        """A run of cached pages a request takes is cut to a multiple of this many."""
+        if not self.fixed_prefill_chunks:
+            return 1
+        return math.lcm(self.max_chunk(1), self.page_size) // self.page_size
 
 
 @dataclasses.dataclass
@@ -115,7 +127,8 @@ class Scheduler:
                 request.page_hashes = page_hashes(request.all_token_ids, self.cfg.page_size,
                                                   target // self.cfg.page_size)
                 request.page_ids = self.pages.match_prefix(request.page_hashes,
-                                                           count=request.stats.first_scheduled_time is None)
+                                                           count=request.stats.first_scheduled_time is None,
+                                                           run_multiple=self.cfg.cached_pages_multiple)
             request.context_len = len(request.page_ids) * self.cfg.page_size
             if request.stats.first_scheduled_time is None:  # a recompute after preemption re-matches its own pages
                 request.stats.first_scheduled_time = time.perf_counter()
@@ -147,6 +160,8 @@ class Scheduler:
                 break
             remaining = request.prefill_target(self.cfg.block_size) - request.context_len
             chunk = min(remaining, budget, longest) // self.cfg.block_size * self.cfg.block_size
+            if self.cfg.fixed_prefill_chunks and chunk < min(remaining, self.cfg.max_chunk(1)):
+                continue  # its next piece does not fit this step whole
             if chunk == 0:
                 break
             while not self._ensure_pages(request, request.context_len + chunk):
@@ -174,7 +189,9 @@ class Scheduler:
         """Take the cached pages that continue the request's context; decoding starts if they complete its prefill."""
         num_pages = request.context_len // self.cfg.page_size
         first_time = request.stats.num_preemptions == 0
-        pages = self.pages.match_prefix(request.page_hashes[num_pages:], count=first_time, new_query=False)
+        # the context ends at a piece's boundary, a multiple of cached_pages_multiple pages when page-aligned
+        pages = self.pages.match_prefix(request.page_hashes[num_pages:], count=first_time, new_query=False,
+                                        run_multiple=self.cfg.cached_pages_multiple)
         if not pages:
             return
         request.page_ids.extend(pages)

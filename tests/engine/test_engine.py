@@ -11,6 +11,7 @@ import pytest
 from jaxllm import LLM, SamplingParams
 from jaxllm.config import ConfigError
 from jaxllm.engine.engine import CompilationAfterWarmup
+from jaxllm.engine.request import RequestStatus
 from jaxllm.models.layers import KVCache
 
 # 16 pages of 4 tokens: one request at a time always fits, four long ones at once do not (preemption)
@@ -70,12 +71,37 @@ def test_batch_invariant_mode_gives_a_prompt_the_same_tokens_in_bf16_alone_or_in
     assert batched[1].token_ids != alone
 
 
-def test_batch_invariant_mode_warns_while_prefix_caching_is_on(checkpoints, caplog):
-    LLM(checkpoints("sdar"), batch_invariant=True, **OPTIONS)
-    assert "batch_invariant: a prompt prefilled after a prefix-cache hit" in caplog.text
-    caplog.clear()
-    LLM(checkpoints("sdar"), batch_invariant=True, enable_prefix_caching=False, **OPTIONS)
-    assert "batch_invariant" not in caplog.text
+def test_batch_invariant_mode_gives_a_prompt_the_same_kv_bits_after_a_prefix_cache_hit(checkpoints, monkeypatch):
+    """The attention kernel in interpret mode, as it runs on the GPU (XLA's reference attention on this CPU gives a
+    chunk's rows the same bits wherever the prompt splits). A 112-token prompt prefills 64 + 48 alone. After a prompt
+    sharing its first 80 tokens, 5 pages of 16 are cached: taking all 5 and prefilling from 80, its K/V at positions
+    80-111 differed from alone (750 of 10752 K elements); the mode takes 4 and prefills from 64, as alone."""
+    import jaxllm.models.layers as layers
+    attention = layers.paged_attention_from_qkv
+    monkeypatch.setattr(layers, "paged_attention_from_qkv",
+                        lambda *args, **kwargs: attention(*args, **{**kwargs, "impl": "pallas", "interpret": True}))
+    checkpoint = checkpoints("llada2", dtype="bf16")
+    rng = np.random.default_rng(0)
+    shared = rng.integers(4, 200, 80).tolist()
+    first, second = shared + rng.integers(4, 200, 32).tolist(), shared + rng.integers(4, 200, 32).tolist()
+
+    def prompt_kv(prompts):
+        """The K and V pages of the last prompt once it decodes (each prompt run to its first block first)."""
+        engine = LLM(checkpoint, dtype="bfloat16", decoding_strategy="fixed_steps", block_size=16, page_size=16,
+                     max_num_seqs=4, max_model_len=256, num_pages=64, max_num_batched_tokens=64,
+                     batch_invariant=True).engine
+        for prompt in prompts:
+            request_id = engine.add_request(prompt, SamplingParams(max_tokens=16, ignore_eos=True))
+            while not any(r.request_id == request_id and r.status is RequestStatus.DECODING
+                          for r in engine.scheduler.running):
+                engine.step()
+        request = next(r for r in engine.scheduler.running if r.request_id == request_id)
+        pages = np.array(request.page_ids[:112 // 16])
+        assert engine.scheduler.pages.prefix_hits == (4 if len(prompts) > 1 else 0)
+        return [np.asarray(pool[:, :, pages]) for pool in (engine.runner.kv.k_pages, engine.runner.kv.v_pages)]
+
+    for alone, after_hit in zip(prompt_kv([second]), prompt_kv([first, second])):
+        np.testing.assert_array_equal(after_hit, alone)
 
 
 @pytest.mark.parametrize("blocks_in_flight", [1, 3])

@@ -12,12 +12,13 @@ MASK, EOS = 1, 0
 
 
 def make_scheduler(num_pages=32, block_size=4, page_size=4, buffer_size=1, max_num_seqs=4, max_tokens_per_step=8,
-                   caching=True):
+                   caching=True, fixed_prefill_chunks=False):
     cfg = SchedulerConfig(block_size=block_size, page_size=page_size, buffer_size=buffer_size,
                           max_num_seqs=max_num_seqs, max_model_len=64, max_num_batched_tokens=max_tokens_per_step,
                           mask_token_id=MASK, eos_token_ids=(EOS,), enable_prefix_caching=caching,
                           prefill_shapes=((1, max_tokens_per_step), (2, max_tokens_per_step // 2),
-                                          (4, max_tokens_per_step // 4)))
+                                          (4, max_tokens_per_step // 4)),
+                          fixed_prefill_chunks=fixed_prefill_chunks)
     return Scheduler(cfg, PageManager(num_pages, page_size))
 
 
@@ -180,6 +181,32 @@ def test_a_prompt_sharing_a_prefill_in_flight_computes_only_what_differs():
     assert prefill_all(scheduler, [a, b]) == [("a", 8), ("a", 4), ("b", 4)]
     assert b.page_ids[:2] == a.page_ids[:2] and b.page_ids[2] != a.page_ids[2]
     assert b.stats.num_cached_tokens == 8
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_fixed_prefill_chunks_split_a_prompt_as_alone_in_any_batch(fixed):
+    """Alone, a 16-token prefill goes 8 + 8 (the longest chunk). Beside a short prompt a step gives each request 4
+    tokens: by default the long one takes them (4 + 8 + 4); with fixed chunks it waits for a step with room for 8."""
+    scheduler = make_scheduler(caching=False, fixed_prefill_chunks=fixed)
+    short, long = request("short", [10, 11, 12, 13, 14]), request("long", list(range(20, 37)))
+    scheduler.add(short)
+    scheduler.add(long)
+    chunks_of_long = [n for name, n in prefill_all(scheduler, [short, long]) if name == "long"]
+    assert chunks_of_long == ([8, 8] if fixed else [4, 8, 4])
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_fixed_prefill_chunks_take_cached_pages_only_up_to_a_chunk_boundary(fixed):
+    """Three cached pages (12 tokens) of a prompt: by default all are taken; with fixed 8-token chunks the first two,
+    and the prompt prefills from 8 as it would alone."""
+    scheduler = make_scheduler(fixed_prefill_chunks=fixed)
+    prompt = list(range(10, 27))  # 17 tokens: the prefill target is 16
+    scheduler.add(request("a", prompt[:13]))
+    finish_prefill(scheduler)
+    b = request("b", prompt)
+    scheduler.add(b)
+    assert prefill_all(scheduler, [b]) == ([("b", 8)] if fixed else [("b", 4)])
+    assert b.stats.num_cached_tokens == (8 if fixed else 12)
 
 
 def test_prefix_cache_off_shares_nothing():
