@@ -212,8 +212,9 @@ class EngineConfig:
     seed: int = 0  # draws seeds for requests that bring none
     # a request's arithmetic the same alone or in any batch, so its tokens are too, in bf16 as well: every GEMM, the
     # attention and the expert kernels tiled alike at any row count (kernels/matmul.py, kernels/rms_norm.py), and a
-    # prompt split into prefill chunks and cached pages as it would be alone (SchedulerConfig.fixed_prefill_chunks);
-    # not across a preemption's recompute. LLaDA2 on the H100: +27% at batch 1, +12% at batch 32 (BENCHMARKS.md run 50)
+    # context prefilled in the pieces it would have alone, after a cache hit or a preemption too
+    # (SchedulerConfig.fixed_prefill_chunks). LLaDA2 on the H100: +27% at batch 1, +12% at batch 32 (BENCHMARKS.md,
+    # run 50)
     batch_invariant: bool = False
 
     def __post_init__(self):

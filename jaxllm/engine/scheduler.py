@@ -29,9 +29,10 @@ class SchedulerConfig:
     eos_token_ids: tuple[int, ...]
     prefill_shapes: tuple[tuple[int, int], ...]  # compiled (batch, chunk) shapes a prefill step must fit
     enable_prefix_caching: bool = True
-    # batch_invariant: a prompt splits at multiples of the longest chunk (max_chunk(1)) from its start, each piece
-    # whole in one step, and takes cached pages only up to such a boundary, so it splits as it would alone (where it
-    # splits changes the attention's arithmetic)
+    # batch_invariant: a request's context is prefilled in the pieces it would have alone, each whole in one step
+    # (where a prefill splits changes the attention's arithmetic): the prompt's blocks at multiples of the longest
+    # chunk (max_chunk(1)), a preempted request's committed output a block at a time as its decode wrote it; cached
+    # pages are taken only up to such a boundary, and only the prompt's are offered
     fixed_prefill_chunks: bool = False
 
     def max_chunk(self, num_requests: int) -> int:
@@ -160,8 +161,11 @@ class Scheduler:
                 break
             remaining = request.prefill_target(self.cfg.block_size) - request.context_len
             chunk = min(remaining, budget, longest) // self.cfg.block_size * self.cfg.block_size
-            if self.cfg.fixed_prefill_chunks and chunk < min(remaining, self.cfg.max_chunk(1)):
-                continue  # its next piece does not fit this step whole
+            if self.cfg.fixed_prefill_chunks:
+                piece = self._fixed_piece(request)
+                if chunk < piece:
+                    continue  # its next piece does not fit this step whole
+                chunk = piece
             if chunk == 0:
                 break
             while not self._ensure_pages(request, request.context_len + chunk):
@@ -179,6 +183,16 @@ class Scheduler:
                 full_pages = (request.context_len + chunk) // self.cfg.page_size
                 being_written.update(request.page_hashes[request.context_len // self.cfg.page_size:full_pages])
         return batch
+
+    def _prompt_blocks_end(self, request: Request) -> int:
+        return len(request.prompt_token_ids) // self.cfg.block_size * self.cfg.block_size
+
+    def _fixed_piece(self, request: Request) -> int:
+        """The next piece of a request's prefill with fixed_prefill_chunks."""
+        prompt_end = self._prompt_blocks_end(request)
+        if request.context_len < prompt_end:
+            return min(self.cfg.max_chunk(1), prompt_end - request.context_len)
+        return self.cfg.block_size
 
     def _holds_only_written_pages(self, request: Request) -> bool:
         """Its context ends at a page boundary and it holds no page past it: cached pages can extend it."""
@@ -241,7 +255,10 @@ class Scheduler:
     def _register_prompt_pages(self, request: Request) -> None:
         if not self.cfg.enable_prefix_caching:
             return
-        num_full = request.context_len // self.cfg.page_size
+        written = request.context_len
+        if self.cfg.fixed_prefill_chunks:  # a recompute's output pages are not what a prompt's pieces would write
+            written = min(written, self._prompt_blocks_end(request))
+        num_full = written // self.cfg.page_size
         for page, page_hash in zip(request.page_ids[:num_full], request.page_hashes[:num_full]):
             self.pages.register(page, page_hash)
 

@@ -71,25 +71,35 @@ def test_batch_invariant_mode_gives_a_prompt_the_same_tokens_in_bf16_alone_or_in
     assert batched[1].token_ids != alone
 
 
-def test_batch_invariant_mode_gives_a_prompt_the_same_kv_bits_after_a_prefix_cache_hit(checkpoints, monkeypatch):
-    """The attention kernel in interpret mode, as it runs on the GPU (XLA's reference attention on this CPU gives a
-    chunk's rows the same bits wherever the prompt splits). A 112-token prompt prefills 64 + 48 alone. After a prompt
-    sharing its first 80 tokens, 5 pages of 16 are cached: taking all 5 and prefilling from 80, its K/V at positions
-    80-111 differed from alone (750 of 10752 K elements); the mode takes 4 and prefills from 64, as alone."""
+@pytest.fixture
+def interpreted_attention(monkeypatch):
+    """The attention kernel in interpret mode, as it runs on the GPU: XLA's reference attention on this CPU gives a
+    chunk's rows the same bits wherever a prefill splits, the kernel does not."""
     import jaxllm.models.layers as layers
     attention = layers.paged_attention_from_qkv
     monkeypatch.setattr(layers, "paged_attention_from_qkv",
                         lambda *args, **kwargs: attention(*args, **{**kwargs, "impl": "pallas", "interpret": True}))
-    checkpoint = checkpoints("llada2", dtype="bf16")
+
+
+def invariant_bf16_llm(checkpoints) -> LLM:
+    """The mode on the bf16 LLaDA2, 16-token blocks and pages, 64-token prefill chunks."""
+    return LLM(checkpoints("llada2", dtype="bf16"), dtype="bfloat16", decoding_strategy="fixed_steps", block_size=16,
+               page_size=16, max_num_seqs=4, max_model_len=256, num_pages=64, max_num_batched_tokens=64,
+               batch_invariant=True)
+
+
+def test_batch_invariant_mode_gives_a_prompt_the_same_kv_bits_after_a_prefix_cache_hit(checkpoints,
+                                                                                       interpreted_attention):
+    """A 112-token prompt prefills 64 + 48 alone. After a prompt sharing its first 80 tokens, 5 pages of 16 are
+    cached: taking all 5 and prefilling from 80, its K/V at positions 80-111 differed from alone (750 of 10752 K
+    elements); the mode takes 4 and prefills from 64, as alone."""
     rng = np.random.default_rng(0)
     shared = rng.integers(4, 200, 80).tolist()
     first, second = shared + rng.integers(4, 200, 32).tolist(), shared + rng.integers(4, 200, 32).tolist()
 
     def prompt_kv(prompts):
         """The K and V pages of the last prompt once it decodes (each prompt run to its first block first)."""
-        engine = LLM(checkpoint, dtype="bfloat16", decoding_strategy="fixed_steps", block_size=16, page_size=16,
-                     max_num_seqs=4, max_model_len=256, num_pages=64, max_num_batched_tokens=64,
-                     batch_invariant=True).engine
+        engine = invariant_bf16_llm(checkpoints).engine
         for prompt in prompts:
             request_id = engine.add_request(prompt, SamplingParams(max_tokens=16, ignore_eos=True))
             while not any(r.request_id == request_id and r.status is RequestStatus.DECODING
@@ -102,6 +112,38 @@ def test_batch_invariant_mode_gives_a_prompt_the_same_kv_bits_after_a_prefix_cac
 
     for alone, after_hit in zip(prompt_kv([second]), prompt_kv([first, second])):
         np.testing.assert_array_equal(after_hit, alone)
+
+
+@pytest.mark.parametrize("preempt_after", [16, 32])
+def test_batch_invariant_mode_gives_a_preempted_request_the_kv_and_tokens_it_has_alone(checkpoints,
+                                                                                       interpreted_attention,
+                                                                                       preempt_after):
+    """Preempted once it has committed preempt_after tokens, a request recomputes its committed output a block at a
+    time, as its decode wrote it: at 96 tokens of context its K/V are those it has when never preempted, and so are
+    its tokens. (Recomputed in pieces of up to 64 tokens, its K differed in 954 and 1242 of 9216 elements; on another
+    random model its tokens did from token 32 and from token 26.)"""
+    prompt = np.random.default_rng(1).integers(4, 200, 40).tolist()
+
+    def run(preempt):
+        engine = invariant_bf16_llm(checkpoints).engine
+        request_id = engine.add_request(prompt, SamplingParams(max_tokens=64, ignore_eos=True))
+        engine.step()  # admitted
+        request = next(r for r in engine.scheduler.running if r.request_id == request_id)
+        kv = None
+        while engine.has_unfinished_requests():
+            engine.step()
+            if preempt and request.stats.num_preemptions == 0 and len(request.output_token_ids) >= preempt_after:
+                engine.scheduler.preempt(request)
+            if kv is None and request.status is RequestStatus.DECODING and request.context_len == 96:
+                pages = np.array(request.page_ids[:96 // 16])
+                kv = [np.asarray(pool[:, :, pages]) for pool in (engine.runner.kv.k_pages, engine.runner.kv.v_pages)]
+        assert request.stats.num_preemptions == preempt
+        return kv, request.output_token_ids
+
+    (alone_kv, alone_tokens), (kv, tokens) = run(preempt=0), run(preempt=1)
+    for alone_pool, pool in zip(alone_kv, kv):
+        np.testing.assert_array_equal(pool, alone_pool)
+    assert tokens == alone_tokens
 
 
 @pytest.mark.parametrize("blocks_in_flight", [1, 3])

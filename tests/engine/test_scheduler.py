@@ -233,6 +233,25 @@ def test_preemption_frees_the_newest_request_and_requeues_it_first():
     assert new.prefill_target(4) == 8  # recomputed from prompt + committed output, block-aligned
 
 
+@pytest.mark.parametrize("fixed", [False, True])
+def test_fixed_prefill_chunks_recompute_a_preempted_output_a_block_at_a_time(fixed):
+    """A request preempted after two committed blocks finds its 8-token prompt's pages cached and recomputes its
+    output: with fixed chunks a block at a time, as its decode wrote them (by default in one piece of 8); only the
+    prompt's pages are offered to later requests."""
+    scheduler = make_scheduler(max_tokens_per_step=8, fixed_prefill_chunks=fixed)
+    r = request("r", list(range(10, 19)), max_tokens=12)  # 9 tokens: the prompt's blocks end at 8
+    scheduler.add(r)
+    batch = finish_prefill(scheduler)
+    complete_front_block(scheduler, batch, {"r": [1, 2, 3]})
+    complete_front_block(scheduler, scheduler.schedule(), {"r": [4, 5, 6, 7]})
+    scheduler.preempt(r)
+    assert prefill_all(scheduler, [r]) == ([("r", 4), ("r", 4)] if fixed else [("r", 8)])
+    later = request("later", r.all_token_ids[:16] + [99])
+    scheduler.add(later)
+    scheduler.schedule()
+    assert later.stats.num_cached_tokens == (8 if fixed else 16)
+
+
 def test_a_request_waits_for_the_pages_an_earlier_admission_still_takes():
     """Free pages are promised once: with "fresh" admitted and prefilling (11 of the 16 pages to come), "hit" (12,
     ten of them cached when it arrives) waits instead of both prefilling into a pool too small for the two (which
