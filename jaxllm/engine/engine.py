@@ -127,6 +127,9 @@ class LLMEngine:
         num_pages = kv.k_pages.shape[2]
         self.runner = self._make_runner(model, kv)
         self.scheduler = Scheduler(self._scheduler_config(), PageManager(num_pages, self.page_size))
+        if engine_config.batch_invariant and engine_config.enable_prefix_caching:
+            logger.info("batch_invariant: a prompt takes cached pages up to a multiple of %d tokens or its last whole "
+                        "block", self.scheduler.cfg.max_chunk(1))
         self._inbox: collections.deque = collections.deque()  # ("add", request) / ("abort", id), any thread
         self._wakeup = threading.Event()
         self._requests: dict[str, Request] = {}

@@ -7,6 +7,7 @@ an allocation needs it.
 
 import collections
 import hashlib
+from collections.abc import Callable
 
 
 def page_hashes(token_ids: list[int], page_size: int, num_pages: int) -> list[bytes]:
@@ -65,9 +66,9 @@ class PageManager:
                 self._free.append(page)
 
     def match_prefix(self, hashes: list[bytes], count: bool = True, new_query: bool = True,
-                     run_multiple: int = 1) -> list[int]:
-        """Take a reference on the longest run of cached pages for these hashes, cut to a multiple of run_multiple
-        pages. count: in the hit rate (not a preempted request's recompute finding its own pages again); new_query:
+                     usable_run: Callable[[int], int] | None = None) -> list[int]:
+        """Take a reference on the longest run of cached pages for these hashes, or on the first usable_run(length)
+        of them. count: in the hit rate (not a preempted request's recompute finding its own pages again); new_query:
         False for hashes an earlier call already counted as looked up (only the hits count)."""
         pages = []
         for page_hash in hashes:
@@ -75,7 +76,8 @@ class PageManager:
             if page is None:
                 break
             pages.append(page)
-        pages = pages[:len(pages) // run_multiple * run_multiple]
+        if usable_run is not None:
+            pages = pages[:usable_run(len(pages))]
         for page in pages:
             if self._ref_counts[page] == 0:
                 del self._evictable[page]

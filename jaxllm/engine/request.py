@@ -83,6 +83,7 @@ class Request:
         self.page_ids: list[int] = []
         self.page_hashes: list[bytes] = []  # of the full pages up to the prefill target, made at admission (caching)
         self.context_len = 0  # tokens whose KV is in the pool (prefilled or committed); block-aligned
+        self.commit_sizes: list[int] = []  # tokens of each commit in order: blocks committed together, in one forward
         self.window: Window | None = None
         self.finish_reason: str | None = None
         self.text = ""  # detokenized output, stop strings trimmed

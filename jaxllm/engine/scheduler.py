@@ -8,8 +8,8 @@ output, with the same block alignment, so its output does not change.
 
 import collections
 import dataclasses
-import math
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -31,20 +31,13 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     # batch_invariant: a request's context is prefilled in the pieces it would have alone, each whole in one step
     # (where a prefill splits changes the attention's arithmetic): the prompt's blocks at multiples of the longest
-    # chunk (max_chunk(1)), a preempted request's committed output a block at a time as its decode wrote it; cached
-    # pages are taken only up to such a boundary, and only the prompt's are offered
+    # chunk (max_chunk(1)), a preempted request's committed output in its commits, as its decode wrote them; only
+    # prompt pages are cached, and a run of them is taken up to such a multiple or the prompt's last block
     fixed_prefill_chunks: bool = False
 
     def max_chunk(self, num_requests: int) -> int:
         """The longest chunk a prefill step of num_requests can pad to (0: none fits)."""
         return max((chunk for batch, chunk in self.prefill_shapes if batch >= num_requests), default=0)
-
-    @property
-    def cached_pages_multiple(self) -> int:
-        """A run of cached pages a request takes is cut to a multiple of this many."""
-        if not self.fixed_prefill_chunks:
-            return 1
-        return math.lcm(self.max_chunk(1), self.page_size) // self.page_size
 
 
 @dataclasses.dataclass
@@ -125,11 +118,13 @@ class Scheduler:
                 return  # wait for pages rather than thrash
             self.waiting.popleft()
             if self.cfg.enable_prefix_caching:
+                # with fixed chunks, a recompute's output pages are not what a prompt's pieces would write
+                hashed = min(target, self._prompt_blocks_end(request)) if self.cfg.fixed_prefill_chunks else target
                 request.page_hashes = page_hashes(request.all_token_ids, self.cfg.page_size,
-                                                  target // self.cfg.page_size)
+                                                  hashed // self.cfg.page_size)
                 request.page_ids = self.pages.match_prefix(request.page_hashes,
                                                            count=request.stats.first_scheduled_time is None,
-                                                           run_multiple=self.cfg.cached_pages_multiple)
+                                                           usable_run=self._usable_cached_run(request, 0))
             request.context_len = len(request.page_ids) * self.cfg.page_size
             if request.stats.first_scheduled_time is None:  # a recompute after preemption re-matches its own pages
                 request.stats.first_scheduled_time = time.perf_counter()
@@ -192,7 +187,30 @@ class Scheduler:
         prompt_end = self._prompt_blocks_end(request)
         if request.context_len < prompt_end:
             return min(self.cfg.max_chunk(1), prompt_end - request.context_len)
-        return self.cfg.block_size
+        start = prompt_end
+        for size in request.commit_sizes:
+            if start == request.context_len:
+                # a commit longer than any chunk (a window wider than the token budget) can only go in parts
+                return min(size, self.cfg.max_chunk(1))
+            start += size
+        return self.cfg.block_size  # unreachable: every recomputed token was committed
+
+    def _usable_cached_run(self, request: Request, first_page: int) -> Callable[[int], int] | None:
+        """With fixed_prefill_chunks, how much of a run of cached pages from first_page to take: up to the last page
+        that ends at a multiple of the longest chunk or at the prompt's last block, where its next piece starts as it
+        would alone."""
+        if not self.cfg.fixed_prefill_chunks:
+            return None
+        prompt_end, unit = self._prompt_blocks_end(request), self.cfg.max_chunk(1)
+
+        def usable(length: int) -> int:
+            for taken in range(length, 0, -1):
+                end = (first_page + taken) * self.cfg.page_size
+                if end % unit == 0 or end == prompt_end:
+                    return taken
+            return 0
+
+        return usable
 
     def _holds_only_written_pages(self, request: Request) -> bool:
         """Its context ends at a page boundary and it holds no page past it: cached pages can extend it."""
@@ -203,9 +221,8 @@ class Scheduler:
         """Take the cached pages that continue the request's context; decoding starts if they complete its prefill."""
         num_pages = request.context_len // self.cfg.page_size
         first_time = request.stats.num_preemptions == 0
-        # the context ends at a piece's boundary, a multiple of cached_pages_multiple pages when page-aligned
         pages = self.pages.match_prefix(request.page_hashes[num_pages:], count=first_time, new_query=False,
-                                        run_multiple=self.cfg.cached_pages_multiple)
+                                        usable_run=self._usable_cached_run(request, num_pages))
         if not pages:
             return
         request.page_ids.extend(pages)
@@ -255,10 +272,7 @@ class Scheduler:
     def _register_prompt_pages(self, request: Request) -> None:
         if not self.cfg.enable_prefix_caching:
             return
-        written = request.context_len
-        if self.cfg.fixed_prefill_chunks:  # a recompute's output pages are not what a prompt's pieces would write
-            written = min(written, self._prompt_blocks_end(request))
-        num_full = written // self.cfg.page_size
+        num_full = request.context_len // self.cfg.page_size
         for page, page_hash in zip(request.page_ids[:num_full], request.page_hashes[:num_full]):
             self.pages.register(page, page_hash)
 
@@ -296,6 +310,7 @@ class Scheduler:
             self.finish(request, reason)
         else:
             request.context_len += size
+            request.commit_sizes.append(size)
             window.shift(num_blocks, self.cfg.block_size, self.cfg.mask_token_id)
         return new_tokens
 

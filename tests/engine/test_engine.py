@@ -118,10 +118,10 @@ def test_batch_invariant_mode_gives_a_prompt_the_same_kv_bits_after_a_prefix_cac
 def test_batch_invariant_mode_gives_a_preempted_request_the_kv_and_tokens_it_has_alone(checkpoints,
                                                                                        interpreted_attention,
                                                                                        preempt_after):
-    """Preempted once it has committed preempt_after tokens, a request recomputes its committed output a block at a
-    time, as its decode wrote it: at 96 tokens of context its K/V are those it has when never preempted, and so are
-    its tokens. (Recomputed in pieces of up to 64 tokens, its K differed in 954 and 1242 of 9216 elements; on another
-    random model its tokens did from token 32 and from token 26.)"""
+    """Preempted once it has committed preempt_after tokens, a request recomputes its committed output in its
+    commits (a block each here), as its decode wrote them: at 96 tokens of context its K/V are those it has when
+    never preempted, and so are its tokens. (Recomputed in pieces of up to 64 tokens, its K differed in 954 and 1242
+    of 9216 elements; on another random model its tokens did from token 32 and from token 26.)"""
     prompt = np.random.default_rng(1).integers(4, 200, 40).tolist()
 
     def run(preempt):

@@ -46,17 +46,17 @@ def test_match_stops_at_the_first_miss():
     assert (pages.prefix_hits, pages.prefix_queries) == (1, 3)
 
 
-def test_a_match_cut_to_a_multiple_takes_and_counts_only_the_pages_it_keeps():
+def test_a_match_cut_short_takes_and_counts_only_the_pages_it_keeps():
     pages = PageManager(num_pages=4, page_size=2)
     hashes = page_hashes([1, 2, 3, 4, 5, 6], 2, 3)
     owner = pages.allocate(3)
     for page, page_hash in zip(owner, hashes):
         pages.register(page, page_hash)
     pages.free(owner)
-    assert pages.match_prefix(hashes, run_multiple=2) == owner[:2]
+    assert pages.match_prefix(hashes, usable_run=lambda length: length // 2 * 2) == owner[:2]
     assert pages.num_free_pages == 2  # the third stays cached and unreferenced
     assert (pages.prefix_hits, pages.prefix_queries) == (2, 3)
-    assert pages.match_prefix(hashes[:1], run_multiple=2) == []
+    assert pages.match_prefix(hashes[:1], usable_run=lambda length: length // 2 * 2) == []
 
 
 def test_cached_pages_are_evicted_least_recently_freed_first():

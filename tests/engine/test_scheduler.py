@@ -34,16 +34,16 @@ def finish_prefill(scheduler):
         scheduler.postprocess_prefill(batch)
 
 
-def complete_front_block(scheduler, batch, tokens_by_request):
-    """Pretend the device filled each request's front block with the given tokens."""
+def complete_front_block(scheduler, batch, tokens_by_request, num_blocks=1):
+    """Pretend the device filled each request's front num_blocks blocks of 4 with the given tokens."""
     results = []
     for r in batch.requests:
         tokens = r.window.tokens.copy()
-        free = np.flatnonzero(~r.window.fixed[:4])
+        free = np.flatnonzero(~r.window.fixed[:4 * num_blocks])
         tokens[free] = tokens_by_request[r.request_id][:len(free)]
         n = len(r.window.block_steps)
-        results.append(DecodeResult(tokens, 1, np.ones(n, np.int32), np.zeros(n, np.int32), np.zeros(n, np.int32),
-                                    num_complete_blocks=1, num_forwards=3))
+        results.append(DecodeResult(tokens, num_blocks, np.ones(n, np.int32), np.zeros(n, np.int32),
+                                    np.zeros(n, np.int32), num_complete_blocks=num_blocks, num_forwards=3))
     return scheduler.postprocess_decode(batch, results)
 
 
@@ -150,16 +150,19 @@ def test_cached_tokens_count_once_and_a_full_hit_reports_no_negative_prefill_tim
 def prefill_all(scheduler, requests):
     """Step (without decoding) until every request decodes; the (request, tokens) of each prefill chunk run."""
     chunks = []
-    while not all(r.status is RequestStatus.DECODING for r in requests):
+    for _ in range(100):
+        if all(r.status is RequestStatus.DECODING for r in requests):
+            return chunks
         batch = scheduler.schedule()
         if isinstance(batch, PrefillBatch):
             chunks += [(r.request_id, n) for r, n in zip(batch.requests, batch.chunk_lens)]
             scheduler.postprocess_prefill(batch)
-    return chunks
+    raise AssertionError(f"still prefilling after 100 steps: {chunks}")
 
 
-def test_identical_prompts_admitted_together_prefill_once():
-    scheduler = make_scheduler()
+@pytest.mark.parametrize("fixed", [False, True])
+def test_identical_prompts_admitted_together_prefill_once(fixed):
+    scheduler = make_scheduler(fixed_prefill_chunks=fixed)  # fixed: b's runs end at 8 (a chunk) and 12 (the prompt)
     prompt = list(range(10, 23))  # 13 tokens: the prefill target is 12, three full pages
     a, b = request("a", prompt), request("b", prompt)
     scheduler.add(a)
@@ -234,22 +237,24 @@ def test_preemption_frees_the_newest_request_and_requeues_it_first():
 
 
 @pytest.mark.parametrize("fixed", [False, True])
-def test_fixed_prefill_chunks_recompute_a_preempted_output_a_block_at_a_time(fixed):
-    """A request preempted after two committed blocks finds its 8-token prompt's pages cached and recomputes its
-    output: with fixed chunks a block at a time, as its decode wrote them (by default in one piece of 8); only the
-    prompt's pages are offered to later requests."""
-    scheduler = make_scheduler(max_tokens_per_step=8, fixed_prefill_chunks=fixed)
-    r = request("r", list(range(10, 19)), max_tokens=12)  # 9 tokens: the prompt's blocks end at 8
+def test_fixed_prefill_chunks_recompute_a_preempted_output_in_its_commits(fixed):
+    """A request (two blocks in flight) commits one block, then two at once, and is preempted. It finds its 8-token
+    prompt's pages cached and recomputes its output: with fixed chunks in its commits, 4 + 8, as its decode wrote
+    them (by default in one piece of 12); only the prompt's pages go into the prefix cache."""
+    scheduler = make_scheduler(buffer_size=2, max_tokens_per_step=16, fixed_prefill_chunks=fixed)
+    r = request("r", list(range(10, 19)), max_tokens=16)  # 9 tokens: the prompt's blocks end at 8
     scheduler.add(r)
     batch = finish_prefill(scheduler)
     complete_front_block(scheduler, batch, {"r": [1, 2, 3]})
-    complete_front_block(scheduler, scheduler.schedule(), {"r": [4, 5, 6, 7]})
+    complete_front_block(scheduler, scheduler.schedule(), {"r": list(range(4, 12))}, num_blocks=2)
+    assert r.context_len == 20
     scheduler.preempt(r)
-    assert prefill_all(scheduler, [r]) == ([("r", 4), ("r", 4)] if fixed else [("r", 8)])
+    assert prefill_all(scheduler, [r]) == ([("r", 4), ("r", 8)] if fixed else [("r", 12)])
+    # its first 16 tokens: a chunk; cached output pages would complete the run, the prompt's 2 pages alone do not
     later = request("later", r.all_token_ids[:16] + [99])
     scheduler.add(later)
     scheduler.schedule()
-    assert later.stats.num_cached_tokens == (8 if fixed else 16)
+    assert later.stats.num_cached_tokens == (0 if fixed else 16)
 
 
 def test_a_request_waits_for_the_pages_an_earlier_admission_still_takes():
