@@ -88,6 +88,12 @@ def invariant_bf16_llm(checkpoints) -> LLM:
                batch_invariant=True)
 
 
+def kv_of(engine, request, num_tokens: int) -> list[np.ndarray]:
+    """The K and V of a request's first num_tokens (whole pages) in the engine's pool."""
+    pages = np.array(request.page_ids[:num_tokens // engine.page_size])
+    return [np.asarray(pool[:, :, pages]) for pool in (engine.runner.kv.k_pages, engine.runner.kv.v_pages)]
+
+
 def test_batch_invariant_mode_gives_a_prompt_the_same_kv_bits_after_a_prefix_cache_hit(checkpoints,
                                                                                        interpreted_attention):
     """A 112-token prompt prefills 64 + 48 alone. After a prompt sharing its first 80 tokens, 5 pages of 16 are
@@ -106,9 +112,8 @@ def test_batch_invariant_mode_gives_a_prompt_the_same_kv_bits_after_a_prefix_cac
                           for r in engine.scheduler.running):
                 engine.step()
         request = next(r for r in engine.scheduler.running if r.request_id == request_id)
-        pages = np.array(request.page_ids[:112 // 16])
         assert engine.scheduler.pages.prefix_hits == (4 if len(prompts) > 1 else 0)
-        return [np.asarray(pool[:, :, pages]) for pool in (engine.runner.kv.k_pages, engine.runner.kv.v_pages)]
+        return kv_of(engine, request, 112)
 
     for alone, after_hit in zip(prompt_kv([second]), prompt_kv([first, second])):
         np.testing.assert_array_equal(after_hit, alone)
@@ -135,8 +140,7 @@ def test_batch_invariant_mode_gives_a_preempted_request_the_kv_and_tokens_it_has
             if preempt and request.stats.num_preemptions == 0 and len(request.output_token_ids) >= preempt_after:
                 engine.scheduler.preempt(request)
             if kv is None and request.status is RequestStatus.DECODING and request.context_len == 96:
-                pages = np.array(request.page_ids[:96 // 16])
-                kv = [np.asarray(pool[:, :, pages]) for pool in (engine.runner.kv.k_pages, engine.runner.kv.v_pages)]
+                kv = kv_of(engine, request, 96)
         assert request.stats.num_preemptions == preempt
         return kv, request.output_token_ids
 
