@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxllm.kernels import matmul
 from jaxllm.kernels.matmul import BLOCK_M, invariant_matmul
 from tests.cuda_lowering import lowered_for_h100
 
@@ -57,6 +58,20 @@ def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(impl, dtype):
         np.testing.assert_array_equal(np.asarray(product(x[:rows], w))[:8], alone, err_msg=f"{rows} rows")
 
 
+def test_a_rows_bits_do_not_depend_on_whether_its_splits_of_k_run_as_programs_of_their_own():
+    """w [8192, 512] in bf16: 4 column tiles, K in 8 splits. At one row tile each split is a program and XLA adds
+    the partials; from two (their partials would cost more than a quarter of w's bytes) one program adds a tile's 8
+    splits. A row's bits stay the same across the switch."""
+    splits = matmul._num_splits(8192, 512, *matmul._tiles(8192, 512), itemsize=2)
+    assert splits == 8 and [matmul._partials_are_cheap(splits, rows, 8192, 2) for rows in (64, 128)] == [True, False]
+    x, w = _operands(128, 8192, 512, "bfloat16", seed=11)
+    for out_dtype in (None, jnp.float32):
+        product = jax.jit(lambda x, w, out_dtype=out_dtype: invariant_matmul(x, w, out_dtype=out_dtype, **PALLAS))
+        alone = np.asarray(product(x[:8], w))
+        for rows in (BLOCK_M, BLOCK_M + 1, 128):
+            np.testing.assert_array_equal(np.asarray(product(x[:rows], w))[:8], alone, err_msg=f"{rows} rows")
+
+
 def test_shapes_it_cannot_tile_are_refused():
     x, w = _operands(4, 40, 128, "bfloat16", seed=2)
     with pytest.raises(ValueError, match="divisible by 16"):
@@ -67,8 +82,10 @@ def test_shapes_it_cannot_tile_are_refused():
 
 @pytest.mark.skipif(not INTERPRET, reason="the GPU compiles the kernel for real")
 def test_kernel_lowers_to_triton_for_cuda():
-    """Pallas -> Triton IR on the CPU at an LM head's shape (a vocabulary that is not a power of two)."""
+    """Pallas -> Triton IR on the CPU at an LM head's shape (a vocabulary that is not a power of two) and at SDAR's
+    o_proj for one row tile (its 4 splits of K as programs of their own)."""
     spec = jax.ShapeDtypeStruct
     product = jax.jit(lambda x, w: invariant_matmul(x, w, impl="pallas"))
-    hlo = lowered_for_h100(product, spec((1000, 2048), jnp.bfloat16), spec((2048, 157184), jnp.bfloat16))
-    assert hlo.count("__gpu$xla.gpu.triton") == 1
+    for rows, depth, width in [(1000, 2048, 157184), (32, 4096, 4096)]:
+        hlo = lowered_for_h100(product, spec((rows, depth), jnp.bfloat16), spec((depth, width), jnp.bfloat16))
+        assert hlo.count("__gpu$xla.gpu.triton") == 1
