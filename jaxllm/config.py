@@ -213,8 +213,8 @@ class EngineConfig:
     # a request's arithmetic the same alone or in any batch, so its tokens are too, in bf16 as well: every GEMM, the
     # attention and the expert kernels tiled alike at any row count (kernels/matmul.py, kernels/rms_norm.py), and a
     # context prefilled in the pieces it would have alone, after a cache hit or a preemption too
-    # (SchedulerConfig.fixed_prefill_chunks). LLaDA2 on the H100: +27% at batch 1, +12% at batch 32 (BENCHMARKS.md,
-    # run 50)
+    # (SchedulerConfig.fixed_prefill_chunks). LLaDA2 on the H100: +21% at batch 1, +13% at batch 32 (BENCHMARKS.md,
+    # runs 50 and 51)
     batch_invariant: bool = False
 
     def __post_init__(self):
