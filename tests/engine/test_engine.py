@@ -94,14 +94,20 @@ def kv_of(engine, request, num_tokens: int) -> list[np.ndarray]:
     return [np.asarray(pool[:, :, pages]) for pool in (engine.runner.kv.k_pages, engine.runner.kv.v_pages)]
 
 
+@pytest.mark.parametrize("second_tail, hits, compared", [(32, 4, 112), (8, 5, 80)])
 def test_batch_invariant_mode_gives_a_prompt_the_same_kv_bits_after_a_prefix_cache_hit(checkpoints,
-                                                                                       interpreted_attention):
-    """A 112-token prompt prefills 64 + 48 alone. After a prompt sharing its first 80 tokens, 5 pages of 16 are
-    cached: taking all 5 and prefilling from 80, its K/V at positions 80-111 differed from alone (750 of 10752 K
-    elements); the mode takes 4 and prefills from 64, as alone."""
+                                                                                       interpreted_attention,
+                                                                                       second_tail, hits, compared):
+    """A first prompt of 112 tokens prefills 64 + 48 and caches 7 pages of 16; a second shares its first 80.
+    - With 32 more tokens (112) the second prefills 64 + 48 alone. Taking all 5 shared pages and prefilling from 80,
+      its K/V at positions 80-111 differed from alone (750 of 10752 K elements); the mode takes 4 and prefills from
+      64, as alone.
+    - With 8 more (88: its last whole block ends at 80) it takes all 5 and prefills nothing. Pages 64-79 come from
+      the first prompt's piece 64-111, where alone its piece 64-79 writes them: a cached page's bits must depend on
+      where its piece starts only, not where it ends (keys past a query's block add nothing)."""
     rng = np.random.default_rng(0)
     shared = rng.integers(4, 200, 80).tolist()
-    first, second = shared + rng.integers(4, 200, 32).tolist(), shared + rng.integers(4, 200, 32).tolist()
+    first, second = shared + rng.integers(4, 200, 32).tolist(), shared + rng.integers(4, 200, second_tail).tolist()
 
     def prompt_kv(prompts):
         """The K and V pages of the last prompt once it decodes (each prompt run to its first block first)."""
@@ -112,8 +118,8 @@ def test_batch_invariant_mode_gives_a_prompt_the_same_kv_bits_after_a_prefix_cac
                           for r in engine.scheduler.running):
                 engine.step()
         request = next(r for r in engine.scheduler.running if r.request_id == request_id)
-        assert engine.scheduler.pages.prefix_hits == (4 if len(prompts) > 1 else 0)
-        return kv_of(engine, request, 112)
+        assert engine.scheduler.pages.prefix_hits == (hits if len(prompts) > 1 else 0)
+        return kv_of(engine, request, compared)
 
     for alone, after_hit in zip(prompt_kv([second]), prompt_kv([first, second])):
         np.testing.assert_array_equal(after_hit, alone)
