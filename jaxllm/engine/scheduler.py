@@ -187,13 +187,13 @@ class Scheduler:
         prompt_end = self._prompt_blocks_end(request)
         if request.context_len < prompt_end:
             return min(self.cfg.max_chunk(1), prompt_end - request.context_len)
-        start = prompt_end
+        commit_end = prompt_end
         for size in request.commit_sizes:
-            if start == request.context_len:
-                # a commit longer than any chunk (a window wider than the token budget) can only go in parts
-                return min(size, self.cfg.max_chunk(1))
-            start += size
-        return self.cfg.block_size  # unreachable: every recomputed token was committed
+            commit_end += size
+            if request.context_len < commit_end:
+                # the rest of the commit; one wider than any chunk (a window wider than the budget) goes in parts
+                return min(commit_end - request.context_len, self.cfg.max_chunk(1))
+        raise AssertionError(f"{request.request_id}: context {request.context_len} past its committed output")
 
     def _usable_cached_run(self, request: Request, first_page: int) -> Callable[[int], int] | None:
         """With fixed_prefill_chunks, how much of a run of cached pages from first_page to take: up to the last page
