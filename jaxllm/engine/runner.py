@@ -4,7 +4,8 @@ Two jitted functions, one compile per shape bucket:
   prefill        writes the KV of prompt chunks [B, C] into their pages; nothing comes back.
   denoise_round  a lax.while_loop of denoising steps over every request's window [B, Q]: forward, logits and
                  proposals at the positions the strategy reads, strategy update, until some request's front block is
-                 complete or the step cap is hit.
+                 complete or the step cap is hit. Buckets of many rows compile it with cuBLAS GEMMs
+                 (CUBLAS_GEMM_MIN_ROWS).
                  Only the window tokens and counters come back; logits never leave the device.
 Weights are split from the NNX graph once and passed as a flat list of arrays; the KV pool is donated and updated in
 place.
@@ -41,6 +42,15 @@ def pad_to_bucket(value: int, buckets: list[int], limit_name: str) -> int:
     if index == len(buckets):
         raise ValueError(f"{value} exceeds the largest bucket {buckets[-1]}; raise {limit_name}")
     return buckets[index]
+
+
+# Decode buckets of at least this many window rows compile XLA's dense GEMMs as cuBLAS calls (XLA's Triton GEMMs
+# off). At those rows XLA's autotuner picks Triton split-K GEMMs that run slower inside the forward than cuBLAS does.
+# H100, LLaDA2.0-mini at 256 rows, us per GEMM, weights read from HBM (BENCHMARKS.md, engine run 58): QKV 15.6 ->
+# 9.3, o_proj 14.1 -> 8.0, router 10.4 -> 7.6; the forward (the option set process-wide) at batch 8 12.72 -> 12.55
+# ms, at batch 32 14.41 -> 14.37. At batch 1's 32 rows the Triton GEMMs are the faster ones (SDAR-8B 4.93 against
+# 5.07 ms, run 32); SDAR-8B at 256 rows and more is not measured.
+CUBLAS_GEMM_MIN_ROWS = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,8 +230,11 @@ class ModelRunner:
         self.spec = spec
         self.jit_prefill = jax.jit(_on_flat_weights(prefill, self.graphdef, self.params_treedef, spec),
                                    donate_argnums=1)  # the KV pool
-        self.jit_denoise_round = jax.jit(_on_flat_weights(denoise_round, self.graphdef, self.params_treedef, spec),
-                                         donate_argnums=1)
+        denoise = _on_flat_weights(denoise_round, self.graphdef, self.params_treedef, spec)
+        self.jit_denoise_round = jax.jit(denoise, donate_argnums=1)
+        cublas_gemms = {"xla_gpu_enable_triton_gemm": False} if jax.default_backend() == "gpu" else None
+        self.jit_denoise_round_cublas = jax.jit(denoise, donate_argnums=1,  # see CUBLAS_GEMM_MIN_ROWS
+                                                compiler_options=cublas_gemms)
         self.max_steps_per_round = max_steps_per_round  # may change between rounds
         self.page_size = kv.k_pages.shape[3]
         self.batch_buckets, self.width_buckets, self.chunk_buckets = batch_buckets, width_buckets, chunk_buckets
@@ -240,6 +253,11 @@ class ModelRunner:
 
     def prefill_shapes(self) -> list[tuple[int, int]]:
         return [(b, c) for b in self.batch_buckets for c in self.chunk_buckets if b * c <= self.max_num_batched_tokens]
+
+    def denoise_step(self, batch_size: int):
+        """The jitted denoise_round that a batch bucket compiles with (CUBLAS_GEMM_MIN_ROWS)."""
+        rows = batch_size * self.spec.decoding.buffer_size * self.spec.block_size
+        return self.jit_denoise_round_cublas if rows >= CUBLAS_GEMM_MIN_ROWS else self.jit_denoise_round
 
     def _width(self, num_tokens: int) -> int:
         return pad_to_bucket(-(-num_tokens // self.page_size), self.width_buckets, "max_model_len")
@@ -264,7 +282,8 @@ class ModelRunner:
 
     def run_decode(self, batch: DecodeBatch) -> list[DecodeResult]:
         inputs = self._round_inputs(batch)
-        self.kv, state, num_complete, forwards = self.jit_denoise_round(self.weights, self.kv, inputs)
+        step = self.denoise_step(len(inputs.seeds))
+        self.kv, state, num_complete, forwards = step(self.weights, self.kv, inputs)
         state, num_complete, forwards = jax.device_get((state, num_complete, forwards))
         return [DecodeResult(state.tokens[i], int(state.num_active_blocks[i]), state.block_steps[i],
                              state.block_masks[i], state.post_steps[i], int(num_complete[i]), int(forwards))
@@ -327,4 +346,4 @@ class ModelRunner:
         inputs = RoundInputs(state, zeros_b, np.zeros((batch, width), np.int32), zeros_b,
                              np.zeros(batch, np.uint32), np.zeros(batch, np.float32), np.full(batch, -1, np.int32),
                              np.ones(batch, np.float32), np.int32(self.max_steps_per_round))
-        self.kv, *_ = self.jit_denoise_round(self.weights, self.kv, inputs)
+        self.kv, *_ = self.denoise_step(batch)(self.weights, self.kv, inputs)

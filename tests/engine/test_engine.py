@@ -10,6 +10,7 @@ import pytest
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.config import ConfigError
+from jaxllm.engine import runner
 from jaxllm.engine.engine import CompilationAfterWarmup
 from jaxllm.engine.request import RequestStatus
 from jaxllm.models.layers import KVCache
@@ -249,7 +250,9 @@ def test_a_request_joins_a_running_batch_at_the_next_step(llm):
     assert [finished[first], finished[second]] == solo
 
 
-def test_nothing_compiles_after_warmup_and_an_unbucketed_shape_fails_loudly(checkpoint):
+def test_nothing_compiles_after_warmup_and_an_unbucketed_shape_fails_loudly(checkpoint, monkeypatch):
+    # batch 2's 8 rows compile with cuBLAS GEMMs, batch 1's 4 without: warm-up compiles each bucket as its steps run
+    monkeypatch.setattr(runner, "CUBLAS_GEMM_MIN_ROWS", 8)
     earlier = LLM(checkpoint, decoding_strategy="threshold", threshold=0.6, **OPTIONS)  # never warmed up
     llm = LLM(checkpoint, decoding_strategy="threshold", threshold=0.6, dtype="float32", block_size=4,
               max_num_seqs=2, max_model_len=32)
