@@ -1,10 +1,10 @@
 """The engine thread: it builds and warms the LLMEngine, then steps it while there is work.
 
 Only this thread calls engine.step(). Handlers on the event loop submit requests (engine.add_request is thread-safe)
-and read their outputs from an asyncio queue that this thread feeds with loop.call_soon_threadsafe, so no handler
-ever polls. Closing a submission that has not finished aborts its engine requests, which frees their pages at the
-next step. A request that waits longer than the engine's max_queue_time to be scheduled fails with 408
-`scheduler_queue_timeout` (an error event on a stream that has started).
+and read their outputs, merged per choice as they arrive, from what this thread hands over with
+loop.call_soon_threadsafe, so no handler ever polls. Closing a submission that has not finished aborts its engine
+requests, which frees their pages at the next step. A request that waits longer than the engine's max_queue_time to
+be scheduled fails with 408 `scheduler_queue_timeout` (an error event on a stream that has started).
 
 Metrics are best-effort: an error while recording them is logged, and the outputs still reach their requests. An
 engine that fails to start, or whose step raises, is broken: the handlers waiting on it get `engine_failed` and the
@@ -33,33 +33,40 @@ class Submission:
 
     def __init__(self, request_ids: list[str]):
         self.request_ids = request_ids
-        self.queue: asyncio.Queue[RequestOutput | APIError] = asyncio.Queue()
         self.unfinished = set(request_ids)
         self._choice_of = {request_id: i for i, request_id in enumerate(request_ids)}
+        self._pending: dict[int, RequestOutput] = {}  # each choice's outputs since the last read, merged
+        self._error: APIError | None = None
+        self._arrived = asyncio.Event()
 
-    async def next_updates(self, timeout: float | None = None) -> dict[int, RequestOutput]:
-        """Wait for output and return everything pending, merged per choice; {} when timeout passes first.
-
-        Merging concatenates the new text and tokens of a choice's pending outputs, so a slow reader gets one
-        update per choice per wake-up instead of a growing backlog.
-        """
-        try:
-            first = await asyncio.wait_for(self.queue.get(), timeout)
-        except TimeoutError:
-            return {}
-        pending = [first] + [self.queue.get_nowait() for _ in range(self.queue.qsize())]
-        updates: dict[int, RequestOutput] = {}
-        for output in pending:
-            if isinstance(output, APIError):  # the engine failed
-                raise output
-            if output.finish_reason == "queue_timeout":  # the whole request fails; closing it aborts its other choices
-                raise queue_timeout_error()
+    def put(self, output: RequestOutput | APIError) -> None:
+        """Merge an output into its choice's pending update as it arrives (the event loop thread only): a reader
+        stuck behind a slow client then holds one update per choice, not a backlog that grows with every step
+        (serving.md: merge pending deltas per request instead of queueing)."""
+        if isinstance(output, APIError):  # the engine failed
+            self._error = output
+        else:
             choice = self._choice_of[output.request_id]
-            if choice in updates:
-                earlier = updates[choice]
+            earlier = self._pending.get(choice)
+            if earlier is not None:
                 output.new_text = earlier.new_text + output.new_text
                 output.new_token_ids = earlier.new_token_ids + output.new_token_ids
-            updates[choice] = output
+            self._pending[choice] = output
+        self._arrived.set()
+
+    async def next_updates(self, timeout: float | None = None) -> dict[int, RequestOutput]:
+        """Wait for output and return everything pending, merged per choice; {} when timeout passes first."""
+        try:
+            await asyncio.wait_for(self._arrived.wait(), timeout)
+        except TimeoutError:
+            return {}
+        self._arrived.clear()
+        if self._error is not None:
+            raise self._error
+        updates, self._pending = self._pending, {}
+        for output in updates.values():
+            if output.finish_reason == "queue_timeout":  # the whole request fails; closing it aborts its other choices
+                raise queue_timeout_error()
             if output.finished:
                 self.unfinished.discard(output.request_id)
         return updates
@@ -144,11 +151,11 @@ class EngineLoop:
         for output in outputs:
             submission = self._routes.get(output.request_id)
             if submission is not None:
-                submission.queue.put_nowait(output)
+                submission.put(output)
 
     def _fail_all(self, message: str) -> None:
         for submission in set(self._routes.values()):  # an error each: a raised error collects its raiser's frames
-            submission.queue.put_nowait(APIError(500, message, type="server_error", code="engine_failed"))
+            submission.put(APIError(500, message, type="server_error", code="engine_failed"))
 
     def submit(self, prompts: list[list[int]], params: list[SamplingParams], request_ids: list[str]) -> Submission:
         """Add one engine request per (prompt, params, id); all or none are added. Raises APIError."""

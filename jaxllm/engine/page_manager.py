@@ -56,7 +56,9 @@ class PageManager:
         return pages
 
     def free(self, pages: list[int]) -> None:
-        for page in pages:
+        # last page first: eviction takes the oldest, so a prompt loses its tail before its head, and a repeat still
+        # matches the pages before the first evicted one (a lookup stops there)
+        for page in reversed(pages):
             self._ref_counts[page] -= 1
             if self._ref_counts[page] > 0:
                 continue

@@ -3,6 +3,7 @@ compile-free serving after warm-up, stops and strategies."""
 
 import dataclasses
 import threading
+import time
 
 import jax
 import numpy as np
@@ -541,3 +542,21 @@ def test_outputs_are_decoded_while_another_thread_tokenizes_a_prompt(llm):
     with llm.engine._tokenizer_lock:  # held as by a thread tokenizing a long prompt
         threading.Thread(target=generate, daemon=True).start()
         assert finished.wait(timeout=60)
+
+
+def test_prefill_time_counts_the_prefill_the_device_runs(checkpoint):
+    """The step that dispatches a prompt's prefill returns before the device has run it; the request's prefill time
+    must still count that work, not the dispatch alone."""
+    llm = LLM(checkpoint, dtype="float32", block_size=4, max_num_seqs=1, max_model_len=1024, num_pages=300,
+              max_num_batched_tokens=1024, enable_prefix_caching=False)
+    llm.generate([list(range(10, 1010))], SamplingParams(max_tokens=4, ignore_eos=True))  # compiles the shapes
+    engine = llm.engine
+    request_id = engine.add_request(list(range(20, 1020)), SamplingParams(max_tokens=4, ignore_eos=True))
+    start = time.perf_counter()
+    outputs = engine.step()  # the whole prompt in one chunk
+    jax.block_until_ready(engine.runner.kv)
+    prefill_ms = 1e3 * (time.perf_counter() - start)
+    while not any(o.finished for o in outputs):
+        outputs = engine.step()
+    stats = next(o for o in outputs if o.request_id == request_id).stats
+    assert engine.num_steps > 1 and stats["prefill_time_ms"] >= 0.5 * prefill_ms

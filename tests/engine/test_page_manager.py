@@ -70,3 +70,14 @@ def test_cached_pages_are_evicted_least_recently_freed_first():
     assert pages.allocate(1) == [first]
     assert pages.match_prefix([hash_a]) == []  # evicted
     assert pages.match_prefix([hash_a, hash_b]) == []  # the chain breaks at the first page
+
+
+def test_a_freed_prompt_loses_its_tail_first_and_a_repeat_still_matches_its_head():
+    pages = PageManager(num_pages=5, page_size=2)
+    hashes = page_hashes(list(range(10)), 2, 5)
+    owner = pages.allocate(5)
+    for page, page_hash in zip(owner, hashes):
+        pages.register(page, page_hash)
+    pages.free(owner)
+    assert sorted(pages.allocate(2)) == sorted(owner[3:])  # the last two pages go
+    assert pages.match_prefix(hashes) == owner[:3]
