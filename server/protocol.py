@@ -303,8 +303,9 @@ def _read_message(message, index: int) -> dict:
         return {**message, "content": ""}
     if not (isinstance(content, str) or (isinstance(content, list) and all(map(is_text_part, content)))):
         raise invalid(f"{param}.content", f"{param}.content must be a string or a list of text parts")
-    if isinstance(content, list):  # joined, as chat templates that test for a string content expect
-        text = _check_encodable("".join(part["text"] for part in content), f"{param}.content")
+    if isinstance(content, list):  # one string, as chat templates that test for a string content expect; parts on
+        # lines of their own, as vLLM joins them
+        text = _check_encodable("\n".join(part["text"] for part in content), f"{param}.content")
         return {**message, "content": text}
     return message
 

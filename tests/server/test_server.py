@@ -669,11 +669,11 @@ def test_a_generation_config_top_k_of_0_means_no_filter(tmp_path):
 
 def test_chat_text_parts_reach_the_template_as_one_string():
     """Templates that test `message.content is string` dropped a list of parts, and ones that add it to a string
-    failed."""
-    body = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "Tell me "},
-                                                                      {"type": "text", "text": "more."}]}]}
+    failed. The parts go on lines of their own, as vLLM joins them: "Hello" and "World" are not "HelloWorld"."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "Hello"},
+                                                                      {"type": "text", "text": "World"}]}]}
     request = parse_chat_request(body, MODEL, SamplingDefaults(), 100)
-    assert request.messages == [{"role": "user", "content": "Tell me more."}]
+    assert request.messages == [{"role": "user", "content": "Hello\nWorld"}]
 
 
 # a model without a chat template, and a KV pool smaller than the context
