@@ -358,22 +358,18 @@ class LLMEngine:
             return outputs
         self.num_steps += 1
         if isinstance(batch, PrefillBatch):
-            dispatched = time.perf_counter()
             self.runner.run_prefill(batch)
-            self.scheduler.postprocess_prefill(batch)
-            self._stamp_prefills_written(batch, dispatched)
+            self._stamp_prefills_written(self.scheduler.postprocess_prefill(batch))
             self.last_step_tokens = sum(batch.chunk_lens)
             return outputs
         decoded = self._decode(batch)
         self.last_step_tokens = sum(len(output.new_token_ids) for output in decoded)
         return outputs + decoded
 
-    def _stamp_prefills_written(self, batch: PrefillBatch, dispatched: float) -> None:
+    def _stamp_prefills_written(self, ended: list[Request]) -> None:
         """The scheduler marks a prompt's prefill done as its last chunk is dispatched, while the device still runs it.
         Requests whose prefill ended in this step are stamped when their KV is written instead (their first denoising
         round would wait for it anyway), so prefill_time_ms counts the prefill's device time."""
-        ended = [request for request in batch.requests
-                 if request.stats.prefill_done_time is not None and request.stats.prefill_done_time >= dispatched]
         if ended:
             jax.block_until_ready(self.runner.kv)
             written = time.perf_counter()

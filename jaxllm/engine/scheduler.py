@@ -263,11 +263,15 @@ class Scheduler:
 
     # results
 
-    def postprocess_prefill(self, batch: PrefillBatch) -> None:
+    def postprocess_prefill(self, batch: PrefillBatch) -> list[Request]:
+        """Account for a dispatched prefill batch; returns the requests whose first prefill it ends."""
+        ended = []
         for request, chunk in zip(batch.requests, batch.chunk_lens):
             request.context_len += chunk
             self._register_prompt_pages(request)
-            self._finish_prefill_if_done(request)
+            if self._finish_prefill_if_done(request):
+                ended.append(request)
+        return ended
 
     def _register_prompt_pages(self, request: Request) -> None:
         if not self.cfg.enable_prefix_caching:
@@ -276,15 +280,19 @@ class Scheduler:
         for page, page_hash in zip(request.page_ids[:num_full], request.page_hashes[:num_full]):
             self.pages.register(page, page_hash)
 
-    def _finish_prefill_if_done(self, request: Request) -> None:
+    def _finish_prefill_if_done(self, request: Request) -> bool:
+        """Move a fully prefilled request to decoding; True where this ends its first prefill (not a recompute)."""
         target = request.prefill_target(self.cfg.block_size)
         if request.context_len < target:
-            return
+            return False
         if request.window is None:  # a preempted request resumes its blocks in flight as they were
             tail = request.all_token_ids[target:]  # the prompt tail shares the first block, fixed
             request.window = Window.start(tail, self.cfg.buffer_size, self.cfg.block_size, self.cfg.mask_token_id)
         request.status = RequestStatus.DECODING
-        request.stats.prefill_done_time = request.stats.prefill_done_time or time.perf_counter()
+        if request.stats.prefill_done_time is not None:
+            return False
+        request.stats.prefill_done_time = time.perf_counter()  # the engine restamps a dispatched prefill when written
+        return True
 
     def postprocess_decode(self, batch: DecodeBatch, results: list[DecodeResult]) -> dict[str, list[int]]:
         """Commit finished blocks; returns the new output tokens of each request that committed any."""
