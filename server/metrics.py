@@ -51,10 +51,11 @@ class _EngineGauges:
                                 "the running step included).", value=engine.num_waiting)
         yield GaugeMetricFamily(f"{PREFIX}kv_cache_usage_perc", "Fraction (0-1) of KV pages in use.",
                                 value=engine.kv_cache_usage)
-        yield CounterMetricFamily(f"{PREFIX}prefix_cache_queries", "Prompt pages looked up in the prefix cache.",
-                                  value=pages.prefix_queries)
-        yield CounterMetricFamily(f"{PREFIX}prefix_cache_hits", "Prompt pages found in the prefix cache.",
-                                  value=pages.prefix_hits)
+        # tokens, as vLLM counts them: the cache holds whole pages, so a prompt's tail past its last one is not asked
+        yield CounterMetricFamily(f"{PREFIX}prefix_cache_queries", "Prompt tokens (in whole pages) looked up in the "
+                                  "prefix cache.", value=pages.prefix_queries * pages.page_size)
+        yield CounterMetricFamily(f"{PREFIX}prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                  value=pages.prefix_hits * pages.page_size)
 
 
 class ServerMetrics:

@@ -57,6 +57,10 @@ def _present(values):
 
 
 def request_metrics(finals: list[RequestOutput], num_prompts: int = 1) -> dict:
+    """The response's `metrics` object: vLLM's per-request fields (time_to_first_token_ms, generation_time_ms,
+    queue_time_ms, mean_itl_ms, tokens_per_second; the first token is the first committed block's, and its time counts
+    from arrival) and the dLLM's counts. Over several choices: the first token and queue time of the earliest, the end
+    of the last, inter-token gaps and throughput over all their tokens."""
     stats = [o.stats for o in finals]
     forward_passes = sum(s["forward_passes"] for s in stats)
     completion_tokens = sum(len(o.token_ids) for o in finals)
@@ -64,12 +68,18 @@ def request_metrics(finals: list[RequestOutput], num_prompts: int = 1) -> dict:
     first = _present(s["time_to_first_block_ms"] for s in stats)
     end = _present(s["total_time_ms"] for s in stats)
     ttft, e2e = (min(first) if first else None), (max(end) if end else None)
+    timed = [(s["total_time_ms"] - s["time_to_first_block_ms"], len(o.token_ids) - 1) for o, s in zip(finals, stats)
+             if s["time_to_first_block_ms"] is not None and s["total_time_ms"] is not None and len(o.token_ids) > 1]
+    gaps = sum(gap for _, gap in timed)
+    inference_ms = e2e - min(queue) if e2e is not None and queue else None  # scheduled to the last token
     return {
         "forward_passes": forward_passes,
         "tokens_per_forward": round(completion_tokens / forward_passes, 4) if forward_passes else None,
         "queue_time_ms": min(queue) if queue else None,
         "time_to_first_token_ms": ttft,
-        "decode_time_ms": round(e2e - ttft, 3) if ttft is not None and e2e is not None else None,
+        "generation_time_ms": round(e2e - ttft, 3) if ttft is not None and e2e is not None else None,
+        "mean_itl_ms": round(sum(ms for ms, _ in timed) / gaps, 3) if gaps else None,
+        "tokens_per_second": round(1e3 * completion_tokens / inference_ms, 2) if inference_ms else None,
         "e2e_latency_ms": e2e,
         "cached_tokens": _cached_tokens(finals, num_prompts),  # as usage counts them
         "preemptions": sum(s["preemptions"] for s in stats),

@@ -102,9 +102,9 @@ class Scheduler:
         return -(-num_tokens // self.cfg.page_size)
 
     def _pages_to_decode(self, request: Request) -> int:
-        """Pages a request holds once prefilled, with its window's blocks."""
+        """Pages a request holds once prefilled, with its first window's blocks."""
         target = request.prefill_target(self.cfg.block_size)
-        return self._pages_for(target + self.cfg.buffer_size * self.cfg.block_size)
+        return self._pages_for(target + self._window_blocks(request, target) * self.cfg.block_size)
 
     def _admit(self) -> None:
         # the free pages the prefilling requests will still take are theirs: each is promised once
@@ -231,16 +231,17 @@ class Scheduler:
             request.stats.num_cached_tokens += len(pages) * self.cfg.page_size
         self._finish_prefill_if_done(request)
 
-    def _max_blocks(self, request: Request) -> int:
+    def _window_blocks(self, request: Request, context_len: int) -> int:
+        """Blocks a window after context_len tokens may open: buffer_size, fewer where max_tokens ends sooner."""
         end = min(len(request.prompt_token_ids) + request.params.max_tokens, self.cfg.max_model_len)
-        return max(1, min(self.cfg.buffer_size, -(-(end - request.context_len) // self.cfg.block_size)))
+        return max(1, min(self.cfg.buffer_size, -(-(end - context_len) // self.cfg.block_size)))
 
     def _schedule_decode(self, requests: list[Request]) -> DecodeBatch:
         batch = DecodeBatch([], [])
         for request in requests:
             if request.status is not RequestStatus.DECODING:
                 continue  # preempted below while making room for an earlier request
-            max_blocks = self._max_blocks(request)
+            max_blocks = self._window_blocks(request, request.context_len)
             while not self._ensure_pages(request, request.context_len + max_blocks * self.cfg.block_size):
                 victim = self.running[-1]
                 self.preempt(victim)

@@ -285,6 +285,20 @@ def test_a_request_waits_for_the_pages_an_earlier_admission_still_takes():
     assert scheduler.pages.num_used_pages == 0
 
 
+def test_admission_reserves_only_the_window_blocks_max_tokens_can_open():
+    """With buffer_size 3, a 4-token answer opens one block: two such requests fit a 4-page pool together (prompt page
+    + one window page each) and are admitted at once rather than one waiting for three blocks it never opens."""
+    scheduler = make_scheduler(num_pages=4, buffer_size=3)
+    a, b = request("a", [10, 11, 12, 13], max_tokens=4), request("b", [20, 21, 22, 23], max_tokens=4)
+    scheduler.add(a)
+    scheduler.add(b)
+    batch = finish_prefill(scheduler)
+    assert [r.request_id for r in batch.requests] == ["a", "b"] and batch.max_blocks == [1, 1]
+    complete_front_block(scheduler, batch, {"a": [5, 6, 7, 8], "b": [6, 7, 8, 9]})
+    assert a.output_token_ids == [5, 6, 7, 8] and b.output_token_ids == [6, 7, 8, 9]
+    assert a.stats.num_preemptions == b.stats.num_preemptions == 0 and scheduler.pages.num_used_pages == 0
+
+
 def test_max_num_seqs_bounds_admission():
     scheduler = make_scheduler(max_num_seqs=2)
     for name in "abc":

@@ -53,7 +53,7 @@ class FakeEngine:
     kv_cache_usage = 0.0
 
     def __init__(self):
-        self.scheduler = types.SimpleNamespace(pages=types.SimpleNamespace(num_pages=1, prefix_queries=0,
+        self.scheduler = types.SimpleNamespace(pages=types.SimpleNamespace(num_pages=1, page_size=1, prefix_queries=0,
                                                                            prefix_hits=0))
         self._inbox = collections.deque()  # ("add", id, FakeRequest) or ("abort", id, None), from any thread
         self._running: dict[str, FakeRequest] = {}

@@ -258,6 +258,12 @@ def test_a_completion_has_the_openai_shape_usage_and_dllm_metrics(client, tokeni
     assert metrics["forward_passes"] >= 1
     assert metrics["tokens_per_forward"] == round(8 / metrics["forward_passes"], 4)
     assert 0 <= metrics["time_to_first_token_ms"] <= metrics["e2e_latency_ms"]
+    # vLLM's per-request fields: decode time after the first token, its mean gap, tokens over the time since scheduling
+    assert metrics["generation_time_ms"] == pytest.approx(metrics["e2e_latency_ms"] - metrics["time_to_first_token_ms"],
+                                                          abs=2e-3)
+    assert metrics["mean_itl_ms"] == pytest.approx(metrics["generation_time_ms"] / 7, abs=2e-3)
+    inference_ms = metrics["e2e_latency_ms"] - metrics["queue_time_ms"]
+    assert metrics["tokens_per_second"] == pytest.approx(8e3 / inference_ms, rel=1e-3)
 
 
 def test_a_chat_completion_answers_as_the_assistant(client):
@@ -657,6 +663,18 @@ def test_the_metrics_count_cached_tokens_as_usage_does(http):
     for _ in range(2):
         response = http.post("/v1/chat/completions", json=body).json()
     assert response["metrics"]["cached_tokens"] == response["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_the_prefix_cache_counters_count_tokens_as_usage_does(server, http):
+    body = {"model": MODEL, "max_tokens": 4, "prompt": "A prompt long enough to fill a few pages of the KV cache, sent "
+            "twice so that the second request finds them cached."}
+    http.post("/v1/completions", json=body)
+    before = scrape(server.url)
+    cached = http.post("/v1/completions", json=body).json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    after = scrape(server.url)
+    hits = after["jaxllm:prefix_cache_hits_total"] - before["jaxllm:prefix_cache_hits_total"]
+    assert hits == cached > 0
+    assert after["jaxllm:prefix_cache_queries_total"] - before["jaxllm:prefix_cache_queries_total"] == cached
 
 
 def test_a_generation_config_top_k_of_0_means_no_filter(tmp_path):
