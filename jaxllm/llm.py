@@ -1,6 +1,7 @@
 """The offline API: LLM(model_dir, ...).generate(prompts, SamplingParams(...)), in the shape vLLM users know."""
 
 import dataclasses
+import numbers
 import pathlib
 
 from jaxllm.config import DEFAULT_MODEL_DIR, ConfigError, split_options
@@ -41,8 +42,11 @@ class LLM:
 
     def generate(self, prompts: str | list[int] | list[str | list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[GenerationOutput]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str):
             prompts = [prompts]
+        elif len(prompts) and isinstance(prompts[0], numbers.Integral):  # one prompt of token ids (numpy's too)
+            prompts = [list(prompts)]
+        prompts = [p if isinstance(p, str) else list(p) for p in prompts]  # a tuple or an array of ids is one prompt
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts: give one, or one per prompt")

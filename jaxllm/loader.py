@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from jaxllm.config import ConfigError
 from jaxllm.quantization import cut_router_weight
@@ -61,6 +61,13 @@ class Tensor:
     experts: int | None = None  # stack this many experts on a leading axis
 
 
+def _open_shard(path: pathlib.Path):
+    try:
+        return safe_open(path, framework="np")
+    except SafetensorError as error:  # e.g. a download cut short: safetensors' message names no file
+        raise CheckpointError(f"cannot read {path}: {error}") from None
+
+
 class SafetensorsReader:
     """Random access to the tensors of a (possibly sharded) safetensors checkpoint."""
 
@@ -74,7 +81,7 @@ class SafetensorsReader:
                 raise CheckpointError(f"no *.safetensors files in {model_dir}")
             key_to_file = {}
             for file in files:
-                with safe_open(file, framework="np") as handle:
+                with _open_shard(file) as handle:
                     for key in handle.keys():
                         if key in key_to_file:  # a leftover copy: which one is the checkpoint is not ours to guess
                             raise CheckpointError(f"tensor {key!r} is in both {key_to_file[key]} and {file.name} "
@@ -84,7 +91,7 @@ class SafetensorsReader:
         absent = sorted(name for name in shards if not (model_dir / name).exists())
         if absent:
             raise CheckpointError(f"{model_dir} lacks {absent}, which model.safetensors.index.json names")
-        self._handles = {name: safe_open(model_dir / name, framework="np") for name in shards}
+        self._handles = {name: _open_shard(model_dir / name) for name in shards}
         self._key_to_file = key_to_file
         self.model_dir = model_dir
 
@@ -94,7 +101,11 @@ class SafetensorsReader:
     def get(self, key: str, needed_by: str) -> np.ndarray:
         if key not in self._key_to_file:
             raise CheckpointError(f"checkpoint {self.model_dir} lacks tensor {key!r} (needed for {needed_by})")
-        return self._handles[self._key_to_file[key]].get_tensor(key)
+        file = self._key_to_file[key]
+        try:
+            return self._handles[file].get_tensor(key)
+        except SafetensorError as error:  # e.g. the index names the wrong shard
+            raise CheckpointError(f"cannot read tensor {key!r} from {self.model_dir / file}: {error}") from None
 
 
 def read_config(model_dir: pathlib.Path) -> dict:

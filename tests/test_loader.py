@@ -178,6 +178,46 @@ def test_fields_whose_defaults_differ_across_the_family_are_required(checkpoints
         model_config(tmp_path)
 
 
+@pytest.mark.parametrize(("setting", "message"), [
+    ({"n_group": 3}, r"n_group=3 must split num_experts=16"),
+    ({"n_group": 16}, r"n_group=16 must split num_experts=16 into equal groups of at least two"),
+    ({"topk_group": 5}, r"topk_group=5 must lie in \[1, n_group=4\]"),
+    ({"num_experts_per_tok": 12}, r"num_experts_per_tok=12 must lie in \[1, 8\]"),
+])
+def test_llada2_routing_the_reference_cannot_compute_is_named_before_the_weights_load(checkpoints, tmp_path,
+                                                                                      setting, message):
+    """Such a config once loaded every weight and failed at the first generate, naming no config.json field (and
+    topk_group > n_group ran, where the reference's torch.topk raises)."""
+    config = json.loads((checkpoints("llada2") / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | setting))
+    with pytest.raises(ConfigError, match=message):
+        model_config(tmp_path)
+
+
+def test_a_null_first_k_dense_replace_means_no_dense_layer(checkpoints, tmp_path):
+    config = json.loads((checkpoints("llada2") / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"first_k_dense_replace": None}))
+    assert model_config(tmp_path).moe.first_k_dense_replace == 0
+
+
+def test_a_shard_cut_short_is_named(tmp_path):
+    path = make_checkpoint(tmp_path / "ckpt", "sdar", dtype="f32", num_shards=2)
+    shard = path / "model-00002-of-00002.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-100])  # a download that stopped early
+    with pytest.raises(CheckpointError, match=r"cannot read .*model-00002-of-00002\.safetensors"):
+        load_model(path, model_config(path), "float32")
+
+
+def test_an_index_that_names_the_wrong_shard_is_named(tmp_path):
+    path = make_checkpoint(tmp_path / "ckpt", "sdar", dtype="f32", num_shards=2)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.norm.weight"] = next(f for k, f in index["weight_map"].items()
+                                                    if f != index["weight_map"]["model.norm.weight"])
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"cannot read tensor 'model\.norm\.weight' from .*\.safetensors"):
+        load_model(path, model_config(path), "float32")
+
+
 def test_a_null_block_size_means_the_familys(sdar_dir):
     config = json.loads((sdar_dir / "config.json").read_text())
     (sdar_dir / "config.json").write_text(json.dumps(config | {"block_size": None}))

@@ -10,6 +10,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import operator
 import pathlib
 import threading
 import time
@@ -38,13 +39,15 @@ _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
 def _load_tokenizer(model_dir: pathlib.Path):
-    """AutoTokenizer, without the warnings transformers prints about config.json fields it does not know."""
+    """AutoTokenizer, without the warnings transformers prints about config.json fields it does not know. The
+    released checkpoints name remote model code in config.json (`auto_map`); the tokenizer needs none, and
+    trust_remote_code=None would ask on a terminal whether to run it (twice, ~15 s) before loading the same files."""
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
-            return AutoTokenizer.from_pretrained(model_dir)
+            return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
     finally:
         transformers.logging.set_verbosity(verbosity)
 
@@ -103,12 +106,12 @@ class LLMEngine:
         # after warm-up a compilation in a step is logged ("log") or raises ("raise"); None: not warmed up yet
         self.compile_after_warmup: str | None = None
         self.compilations_after_warmup = 0
+        self.model_config = model_config(model_dir)  # first: a wrong path is "no config.json", not a Hub error
         self.tokenizer = _load_tokenizer(model_dir)
         self._tokenizer_lock = threading.Lock()  # fast tokenizers raise "Already borrowed" when shared by threads
         # outputs are decoded by a copy of their own, used only by the thread that steps the engine (so unlocked):
         # behind the lock of the request side, every stream stalled while a server thread tokenized a long prompt
         self._detokenizer = _load_tokenizer(model_dir)
-        self.model_config = model_config(model_dir)
         self.mask_token_id = self._resolve_mask_id()
         self.eos_token_ids = self._resolve_eos_ids(model_dir)
         self.block_size = engine_config.block_size or self.model_config.default_block_size
@@ -257,7 +260,7 @@ class LLMEngine:
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
-            return list(prompt)
+            return [operator.index(t) for t in prompt]  # numpy integers too; a float or a string id is a TypeError
         with self._tokenizer_lock:
             return self.tokenizer.encode(prompt, add_special_tokens=False)
 

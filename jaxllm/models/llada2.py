@@ -45,7 +45,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         num_experts_per_tok=field("num_experts_per_tok"),
         moe_intermediate_size=field("moe_intermediate_size"),
         num_shared_experts=int(hf.get("num_shared_experts") or 0),
-        first_k_dense_replace=int(hf.get("first_k_dense_replace", 0)),
+        first_k_dense_replace=int(hf.get("first_k_dense_replace") or 0),
         # required: a guess routes every token differently, and config classes of the family default them
         # differently (the reference's 8, 4, 2.5 against a plain top-k's 1, 1, 1)
         n_group=int(field("n_group")),
@@ -53,7 +53,22 @@ def config_from_hf(hf: dict) -> ModelConfig:
         routed_scaling_factor=float(field("routed_scaling_factor")),
         expert_bias=bool(hf.get("moe_router_enable_expert_bias", True)),
     )
+    _check_routing(moe)
     return transformer_config(hf, MODEL_TYPE, partial_rotary_factor=0.5, block_size=32, moe=moe)
+
+
+def _check_routing(moe: MoEConfig) -> None:
+    """Group-limited top-k as the reference computes it, checked before the weights load: a group scores its top two
+    experts, the top topk_group groups stay, and the top num_experts_per_tok of their experts are chosen."""
+    if moe.n_group < 1 or moe.num_experts % moe.n_group or moe.num_experts // moe.n_group < 2:
+        raise ConfigError(f"config.json n_group={moe.n_group} must split num_experts={moe.num_experts} into equal "
+                          f"groups of at least two experts")
+    if not 1 <= moe.topk_group <= moe.n_group:
+        raise ConfigError(f"config.json topk_group={moe.topk_group} must lie in [1, n_group={moe.n_group}]")
+    kept = moe.topk_group * (moe.num_experts // moe.n_group)
+    if not 1 <= moe.num_experts_per_tok <= kept:
+        raise ConfigError(f"config.json num_experts_per_tok={moe.num_experts_per_tok} must lie in [1, {kept}], the "
+                          f"experts of topk_group={moe.topk_group} groups")
 
 
 class SparseMoE(nnx.Module):

@@ -441,6 +441,22 @@ def test_an_automatic_request_id_skips_one_a_caller_chose(llm):
     assert finished == {chosen: 8, automatic[0]: 8, automatic[1]: 8}
 
 
+def test_token_ids_as_numpy_integers_or_a_tuple_are_one_prompt(llm):
+    """np.int64 ids were taken for separate prompts and sent to the tokenizer as text."""
+    params = SamplingParams(max_tokens=6)
+    expected = llm.generate([PROMPTS[1]], params)[0].token_ids
+    for prompt in (np.array(PROMPTS[1]), list(np.array(PROMPTS[1])), tuple(PROMPTS[1])):
+        [output] = llm.generate(prompt, params)
+        assert output.token_ids == expected and output.prompt_token_ids == PROMPTS[1]
+    assert [o.token_ids for o in llm.generate([np.array(PROMPTS[1]), "x"], params)][0] == expected
+
+
+def test_a_directory_without_config_json_is_named(tmp_path):
+    """The tokenizer loaded first, and a wrong path read as a Hugging Face Hub repo id."""
+    with pytest.raises(ConfigError, match="has no config.json"):
+        LLM(tmp_path / "no_such_checkpoint")
+
+
 def test_a_prompt_id_outside_the_vocabulary_is_refused(llm):
     vocab_size = llm.engine.model_config.vocab_size
     for bad in (vocab_size, -1):
