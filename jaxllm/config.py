@@ -139,9 +139,11 @@ class DecodingConfig:
 
     @classmethod
     def joint_threshold_preset(cls, name: str, **overrides) -> "DecodingConfig":
-        """LLaDA2.1's Quality ("quality") or Speed ("speed") joint_threshold settings, with overrides."""
+        """LLaDA2.1's Quality ("quality") or Speed ("speed") joint_threshold settings, with overrides (None: the
+        preset's, as for a flag left out)."""
         if name not in JOINT_THRESHOLD_PRESETS:
             raise ConfigError(f"preset must be one of {sorted(JOINT_THRESHOLD_PRESETS)}, got {name!r}")
+        overrides = {knob: value for knob, value in overrides.items() if value is not None}
         return cls(strategy="joint_threshold", **(JOINT_THRESHOLD_PRESETS[name] | overrides))
 
     def __post_init__(self):

@@ -1,8 +1,9 @@
 """Per-request sampling: the user's SamplingParams and the on-device proposal of a token per position.
 
 Every random draw for a request comes from fold_in(fold_in(key(seed), absolute position), block step), never from a
-batch-wide key, so a seeded request gives the same tokens alone or in any batch. Greedy (temperature 0, or below
-MIN_TEMPERATURE) takes the argmax, ties to the lowest token id.
+batch-wide key, so no draw depends on the batch. The logits may, in their last bits (XLA tiles a GEMM per row count),
+and in bf16 that flips near-ties; EngineConfig.batch_invariant gives a request the same tokens alone or in any batch
+(README: Decoding). Greedy (temperature 0, or below MIN_TEMPERATURE) takes the argmax, ties to the lowest token id.
 """
 
 import dataclasses

@@ -201,6 +201,9 @@ def test_a_preset_is_an_option_that_explicit_settings_override():
     assert (speed.strategy, speed.threshold, speed.editing_threshold) == ("joint_threshold", 0.5, 0.0)
     _, tuned = split_options(dict(decoding_preset="quality", decoding_strategy="joint_threshold", max_post_steps=4))
     assert (tuned.threshold, tuned.editing_threshold, tuned.max_post_steps) == (0.7, 0.5, 4)
+    # an option given as None is one left out: it once wiped the preset's value for the strategy's default
+    _, unset = split_options(dict(decoding_preset="speed", threshold=None, editing_threshold=None))
+    assert (unset.threshold, unset.editing_threshold) == (0.5, 0.0)
     with pytest.raises(ConfigError):
         split_options(dict(decoding_preset="speed", decoding_strategy="threshold"))
     with pytest.raises(ConfigError):

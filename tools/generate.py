@@ -1,7 +1,8 @@
 """Generate text offline with the jitted engine and print tokens/s and tokens per forward.
 
     python tools/generate.py                                   # the embedded default model
-    python tools/generate.py --model DIR --prompt "def fib(n):" --max-tokens 64 --strategy threshold --threshold 0.9
+    python tools/generate.py --model DIR --prompt "def fib(n):" --max-tokens 64 --threshold 0.9
+    python tools/generate.py --decoding-strategy joint_threshold --decoding-preset speed --buffer-size 2
 """
 
 import argparse
@@ -10,6 +11,12 @@ import time
 import jax
 
 from jaxllm import LLM, SamplingParams
+from jaxllm.server.cli import ENGINE_FLAGS
+
+# the decoding flags of `jaxllm serve`, by its names; left out, the engine's defaults (--strategy: an older name)
+DECODING_FLAGS = {"--block-size", "--buffer-size", "--decoding-strategy", "--decoding-preset", "--threshold",
+                  "--denoising-steps", "--editing-threshold", "--max-post-steps", "--add-block-threshold",
+                  "--semi-complete-threshold", "--quantization"}
 
 
 def main() -> None:
@@ -18,11 +25,10 @@ def main() -> None:
     parser.add_argument("--prompt", action="append", help="repeat for a batch (default: a few code prompts)")
     parser.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--strategy", default="threshold", choices=["threshold", "fixed_steps", "joint_threshold"])
-    parser.add_argument("--threshold", type=float)
-    parser.add_argument("--denoising-steps", type=int)
-    parser.add_argument("--block-size", type=int)
-    parser.add_argument("--buffer-size", type=int, default=1, help="blocks in flight per request (multi-block)")
+    for flag, kind, text in ENGINE_FLAGS:
+        if flag in DECODING_FLAGS:
+            parser.add_argument(*([flag, "--strategy"] if flag == "--decoding-strategy" else [flag]), type=kind,
+                                help=text)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-k", type=int, default=-1)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -35,13 +41,10 @@ def main() -> None:
 
     prompts = args.prompt or ['def parse_args(argv):\n    """', "def ", "class Stack:\n    def push(self, item):\n"]
     dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
-    options = dict(decoding_strategy=args.strategy, dtype=dtype, max_num_seqs=len(prompts),
-                   max_model_len=args.max_model_len, block_size=args.block_size, buffer_size=args.buffer_size,
-                   enable_prefix_caching=False)  # the timed run repeats the warm-up's prompts: time their prefill too
-    if args.threshold is not None or args.strategy == "threshold":
-        options["threshold"] = 0.9 if args.threshold is None else args.threshold
-    if args.denoising_steps is not None:
-        options["denoising_steps"] = args.denoising_steps
+    options = {name: getattr(args, name) for name in (flag[2:].replace("-", "_") for flag in DECODING_FLAGS)
+               if getattr(args, name) is not None}
+    options |= dict(dtype=dtype, max_num_seqs=len(prompts), max_model_len=args.max_model_len,
+                    enable_prefix_caching=False)  # the timed run repeats the warm-up's prompts: time their prefill too
     llm = LLM(args.model, **options)
     if args.chat:
         prompts = [llm.engine.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
