@@ -47,9 +47,10 @@ def pad_to_bucket(value: int, buckets: list[int], limit_name: str) -> int:
 # Decode buckets of at least this many window rows compile XLA's dense GEMMs as cuBLAS calls (XLA's Triton GEMMs
 # off). At those rows XLA's autotuner picks Triton split-K GEMMs that run slower inside the forward than cuBLAS does.
 # H100, LLaDA2.0-mini at 256 rows, us per GEMM, weights read from HBM (BENCHMARKS.md, engine run 58): QKV 15.6 ->
-# 9.3, o_proj 14.1 -> 8.0, router 10.4 -> 7.6; the forward (the option set process-wide) at batch 8 12.72 -> 12.55
-# ms, at batch 32 14.41 -> 14.37. At batch 1's 32 rows the Triton GEMMs are the faster ones (SDAR-8B 4.93 against
-# 5.07 ms, run 32); SDAR-8B at 256 rows and more is not measured.
+# 9.3, o_proj 14.1 -> 8.0, router 10.4 -> 7.6. This runner against one jit for all buckets (run 59, H100, ms per
+# forward): LLaDA2 batch 8 12.71-12.76 -> 12.52-12.60, SDAR-8B batch 8 9.21-9.26 -> 9.08-9.11, LLaDA2 batch 32
+# level (there XLA picks cuBLAS itself). At batch 1's 32 rows the Triton GEMMs are the faster ones (SDAR-8B 4.93
+# against 5.07 ms, run 32).
 CUBLAS_GEMM_MIN_ROWS = 256
 
 
